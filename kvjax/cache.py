@@ -1,0 +1,296 @@
+"""Paged KV cache: a pure pytree, a page allocator that runs inside `jit`, and append/read.
+
+Layout (one logical sequence per layer x batch row x kv head, all sharing one pool):
+
+  k_pages, v_pages  [P, S, D]     physical pool; page 0 is the reserved null page
+  position          [P, S] int32  original token position per slot, -1 when empty
+  score             [P, S] f32    the eviction policy's running score per slot
+  protected         [P, S] bool   caller-marked tokens that are never evicted
+  page_table        [L, B, H, M]  logical page -> physical page; 0 (null) when unused
+  length            [L, B, H]     live tokens per sequence
+  free_pages        [P]           stack of free physical pages; the first num_free are free
+  num_free          []            size of the free stack
+  status            []            bit set of `Status` flags raised inside jit
+
+Sequences own exactly their first ceil(length / S) page-table entries. The null page
+keeps every gather in range: unused entries point at it and are masked by `length`.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.config import CacheConfig
+
+NULL_PAGE = 0
+
+
+class Status(enum.IntFlag):
+  """Flags set inside jit; `check_status` turns them into host errors."""
+
+  OK = 0
+  OUT_OF_PAGES = 1  # the pool had no free page for an append; that append was dropped
+  OVER_CAPACITY = 2  # an append would pass max_tokens; that append was dropped
+  OVER_BUDGET = 4  # protected tokens alone exceed the budget; the cache kept them
+
+
+class CacheError(RuntimeError):
+  """A cache operation inside jit failed; raised on the host by `check_status`."""
+
+
+@struct.dataclass
+class PagedKVCache:
+  k_pages: Float[Array, "P S D"]
+  v_pages: Float[Array, "P S D"]
+  position: Int[Array, "P S"]
+  score: Float[Array, "P S"]
+  protected: Bool[Array, "P S"]
+  page_table: Int[Array, "L B H M"]
+  length: Int[Array, "L B H"]
+  free_pages: Int[Array, " P"]
+  num_free: Int[Array, ""]
+  status: Int[Array, ""]
+  config: CacheConfig = struct.field(pytree_node=False)
+
+  @property
+  def num_layers(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def batch_size(self) -> int:
+    return self.page_table.shape[1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.page_table.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[-1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[0]
+
+  def pages_in_use(self) -> Int[Array, "L B H"]:
+    return -(-self.length // self.config.page_size)
+
+  def kv_bytes(self) -> Int[Array, ""]:
+    """Bytes of K and V held by live pages (what a right-sized pool must hold)."""
+    page_bytes = 2 * self.config.page_size * self.head_dim * self.k_pages.dtype.itemsize
+    return self.pages_in_use().sum() * page_bytes
+
+
+def _check_int(name, value, minimum=1):
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def init_cache(
+    config: CacheConfig,
+    num_layers: int,
+    batch_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    chunk: int = 1,
+) -> PagedKVCache:
+  """An empty cache whose pool fits every sequence appending `chunk` tokens at a time."""
+  if not isinstance(config, CacheConfig):
+    raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+  for name, value in [("num_layers", num_layers), ("batch_size", batch_size),
+                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("chunk", chunk)]:
+    _check_int(name, value)
+  num_sequences = num_layers * batch_size * num_kv_heads
+  num_pages = config.pool_pages(num_sequences, chunk)
+  if config.evicts:
+    needed = num_sequences * -(-config.budget // config.page_size) + 1
+    if num_pages < needed:
+      raise ValueError(
+          f"num_pages={num_pages} cannot hold budget={config.budget} tokens for each of "
+          f"{num_sequences} sequences (num_layers={num_layers} x batch_size={batch_size} x "
+          f"num_kv_heads={num_kv_heads}) at page_size={config.page_size}: need >= {needed}"
+      )
+  ps, m = config.page_size, config.max_pages
+  return PagedKVCache(
+      k_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
+      v_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
+      position=jnp.full((num_pages, ps), -1, jnp.int32),
+      score=jnp.zeros((num_pages, ps), jnp.float32),
+      protected=jnp.zeros((num_pages, ps), bool),
+      page_table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
+      length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
+      # Pop order hands out low page ids first: stack top is at num_free - 1.
+      free_pages=jnp.concatenate([jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32),
+                                  jnp.zeros((1,), jnp.int32)]),
+      num_free=jnp.array(num_pages - 1, jnp.int32),
+      status=jnp.array(Status.OK, jnp.int32),
+      config=config,
+  )
+
+
+def _exclusive_cumsum(x):
+  return jnp.cumsum(x) - x
+
+
+def _allocate(cache: PagedKVCache, layer, new_length: Int[Array, "B H"]):
+  """Pops pages so that layer `layer` can hold `new_length` tokens per sequence."""
+  ps = cache.config.page_size
+  table_BxHxM = cache.page_table[layer]
+  cur = -(-cache.length[layer] // ps)  # [B, H] pages held
+  need = -(-new_length // ps) - cur  # [B, H] pages to add (>= 0)
+  total = need.sum()
+  fits = (total <= cache.num_free) & (new_length <= cache.config.max_tokens).all()
+  max_new = table_BxHxM.shape[-1]
+  j = jnp.arange(max_new)  # candidate new page index per sequence
+  rank = _exclusive_cumsum(need.reshape(-1)).reshape(need.shape)[..., None] + j  # [B, H, M]
+  valid = (j < need[..., None]) & fits
+  page = cache.free_pages[jnp.clip(cache.num_free - 1 - rank, 0, cache.num_pages - 1)]
+  slot = jnp.where(valid, cur[..., None] + j, max_new)  # out of range -> dropped
+  table_BxHxM = jax.vmap(jax.vmap(lambda t, s, p: t.at[s].set(p, mode="drop")))(
+      table_BxHxM, slot, page)
+  return table_BxHxM, jnp.where(fits, cache.num_free - total, cache.num_free), fits
+
+
+def append_layer(
+    cache: PagedKVCache,
+    layer: int | Int[Array, ""],
+    k: Float[Array, "B T H D"],
+    v: Float[Array, "B T H D"],
+    positions: Int[Array, "B T"],
+    num_new: Int[Array, " B"] | None = None,
+    protected: Bool[Array, "B T"] | None = None,
+) -> PagedKVCache:
+  """Appends the first `num_new[b]` of T tokens of row b to every kv head of one layer.
+
+  Pages are allocated from the shared pool inside jit. If the pool is exhausted or a
+  sequence would pass `max_tokens`, nothing is written for this layer and the cache's
+  status records why (see `check_status`).
+  """
+  _validate_append(cache, k, v, positions, num_new, protected, layer_axis=False)
+  b, t = positions.shape
+  num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
+  protected = jnp.zeros((b, t), bool) if protected is None else protected
+  ps = cache.config.page_size
+  length = cache.length[layer]  # [B, H]
+  new_length = length + num_new[:, None]
+  table_BxHxM, num_free, fits = _allocate(cache, layer, new_length)
+
+  slot = length[:, None, :] + jnp.arange(t)[None, :, None]  # [B, T, H]
+  live = (jnp.arange(t)[None, :] < num_new[:, None])[..., None] & fits  # [B, T, H]
+  logical_page = jnp.clip(slot // ps, 0, table_BxHxM.shape[-1] - 1)
+  page = jnp.take_along_axis(table_BxHxM, logical_page.transpose(0, 2, 1), axis=-1)
+  page = jnp.where(live, page.transpose(0, 2, 1), cache.num_pages)  # OOB -> dropped
+  offset = slot % ps
+  dtype = cache.k_pages.dtype
+  per_token = lambda x: jnp.broadcast_to(x[..., None], page.shape)  # noqa: E731
+  status = cache.status | jnp.where(
+      fits, 0, jnp.where(new_length.max() > cache.config.max_tokens,
+                         Status.OVER_CAPACITY, Status.OUT_OF_PAGES))
+  return cache.replace(
+      k_pages=cache.k_pages.at[page, offset].set(k.astype(dtype), mode="drop"),
+      v_pages=cache.v_pages.at[page, offset].set(v.astype(dtype), mode="drop"),
+      position=cache.position.at[page, offset].set(per_token(positions), mode="drop"),
+      score=cache.score.at[page, offset].set(0.0, mode="drop"),
+      protected=cache.protected.at[page, offset].set(per_token(protected), mode="drop"),
+      page_table=cache.page_table.at[layer].set(table_BxHxM),
+      length=cache.length.at[layer].set(jnp.where(fits, new_length, length)),
+      num_free=num_free,
+      status=status.astype(jnp.int32),
+  )
+
+
+def append(
+    cache: PagedKVCache,
+    k: Float[Array, "L B T H D"],
+    v: Float[Array, "L B T H D"],
+    positions: Int[Array, "B T"],
+    num_new: Int[Array, " B"] | None = None,
+    protected: Bool[Array, "B T"] | None = None,
+) -> PagedKVCache:
+  """Appends a chunk of T tokens (T = 1 for decode) to every layer, row and kv head."""
+  _validate_append(cache, k, v, positions, num_new, protected, layer_axis=True)
+
+  def body(layer, c):
+    return append_layer(c, layer, k[layer], v[layer], positions, num_new, protected)
+
+  return jax.lax.fori_loop(0, cache.num_layers, body, cache)
+
+
+def _validate_append(cache, k, v, positions, num_new, protected, *, layer_axis):
+  if not isinstance(cache, PagedKVCache):
+    raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  lead = (cache.num_layers,) if layer_axis else ()
+  if getattr(positions, "ndim", None) != 2:
+    raise ValueError(f"positions must be [B, T], got shape {getattr(positions, 'shape', None)}")
+  b, t = positions.shape
+  expected = (*lead, cache.batch_size, t, cache.num_kv_heads, cache.head_dim)
+  names = "[L, B, T, H, D]" if layer_axis else "[B, T, H, D]"
+  for name, x in (("k", k), ("v", v)):
+    if getattr(x, "shape", None) != expected:
+      raise ValueError(f"{name} must be {names} = {expected}, got {getattr(x, 'shape', None)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be floating point, got {x.dtype}")
+  if b != cache.batch_size:
+    raise ValueError(f"positions batch {b} != cache batch_size {cache.batch_size}")
+  if t > cache.config.max_tokens:
+    raise ValueError(f"chunk of T={t} tokens exceeds max_tokens={cache.config.max_tokens}")
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise TypeError(f"positions must be integer, got {positions.dtype}")
+  if num_new is not None and jnp.shape(num_new) != (b,):
+    raise ValueError(f"num_new must be [B] = ({b},), got {jnp.shape(num_new)}")
+  if protected is not None and (jnp.shape(protected) != (b, t) or protected.dtype != bool):
+    raise ValueError(f"protected must be bool [B, T] = ({b}, {t}), got "
+                     f"{jnp.shape(protected)} {getattr(protected, 'dtype', None)}")
+
+
+def logical_view(cache: PagedKVCache, x: Array, layer=None) -> Array:
+  """Gathers a per-slot array ([P, S, ...]) into logical order: [(L,) B, H, M * S, ...]."""
+  table = cache.page_table if layer is None else cache.page_table[layer]
+  gathered = x[table]  # [..., M, S, ...]
+  lead = table.shape
+  return gathered.reshape(*lead[:-1], lead[-1] * x.shape[1], *x.shape[2:])
+
+
+def valid_mask(cache: PagedKVCache, layer=None) -> Bool[Array, "..."]:
+  """True for live logical slots: [(L,) B, H, M * S]."""
+  length = cache.length if layer is None else cache.length[layer]
+  return jnp.arange(cache.config.max_tokens) < length[..., None]
+
+
+def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
+  """Host-side: the live (k [n, D], v [n, D], positions [n]) of one sequence, in order."""
+  check_status(cache)
+  for name, value, size in (("layer", layer, cache.num_layers), ("row", row, cache.batch_size),
+                            ("head", head, cache.num_kv_heads)):
+    if not 0 <= value < size:
+      raise ValueError(f"{name}={value} out of range [0, {size})")
+  n = int(cache.length[layer, row, head])
+  table = cache.page_table[layer, row, head]
+  take = lambda x: np.asarray(x[table].reshape(-1, *x.shape[2:])[:n])  # noqa: E731
+  return take(cache.k_pages), take(cache.v_pages), take(cache.position)
+
+
+def check_status(cache: PagedKVCache) -> None:
+  """Raises `CacheError` for failures recorded inside jit; warns when over budget."""
+  status = Status(int(cache.status))
+  if status & Status.OUT_OF_PAGES:
+    raise CacheError(
+        f"out of pages: the pool of {cache.num_pages} pages (page_size="
+        f"{cache.config.page_size}) could not hold an append; raise CacheConfig.num_pages, "
+        "lower the budget, or use a smaller batch")
+  if status & Status.OVER_CAPACITY:
+    raise CacheError(
+        f"a sequence would pass max_tokens={cache.config.max_tokens}; raise "
+        "CacheConfig.max_tokens or set a budget so that eviction keeps sequences short")
+  if status & Status.OVER_BUDGET:
+    warnings.warn(
+        f"protected tokens exceed budget={cache.config.budget}; they were kept and the "
+        "cache holds more than its budget", stacklevel=2)

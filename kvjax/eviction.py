@@ -1,0 +1,144 @@
+"""Fixed-shape eviction: lowest-importance groups leave until each sequence meets its budget.
+
+Block eviction (group_size == page_size) removes whole pages from the page table and
+moves no K/V data. Token eviction (group_size == 1) compacts the kept tokens, in order,
+into the sequence's leading pages with one gather and one scatter, then frees the
+trailing pages. Both use `lax.top_k` over masked group scores: no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, valid_mask
+from kvjax.scores import group_importance
+
+
+def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
+  """Slots eviction must not touch: sink, recent window, caller-marked and empty slots."""
+  cfg = cache.config
+  idx = jnp.arange(cfg.max_tokens)
+  length = cache.length[..., None]
+  return ((idx < cfg.sink) | (idx >= length - cfg.recent) | ~valid_mask(cache)
+          | logical_view(cache, cache.protected))
+
+
+def evict(
+    cache: PagedKVCache,
+    scores: Float[Array, "L B H N"] | None = None,
+    budget: int | Int[Array, "..."] | None = None,
+) -> PagedKVCache:
+  """Evicts the lowest-importance groups of every sequence longer than the threshold.
+
+  Args:
+    cache: the cache; sequences with length > config.threshold shrink to <= budget.
+    scores: per-slot scores in logical order [L, B, H, N] (N = max_tokens); defaults
+      to the policy history held in `cache.score`. Higher = more important.
+    budget: tokens to keep, broadcastable to [L, B, H] (per-layer or per-head
+      budgets); defaults to config.budget. Sequences evict once they pass
+      `threshold + (budget - config.budget)`.
+  """
+  cfg = cache.config
+  if not cfg.evicts:
+    return cache
+  n = cfg.max_tokens
+  if scores is None:
+    scores = logical_view(cache, cache.score)
+  elif scores.shape != (*cache.length.shape, n):
+    raise ValueError(f"scores must be [L, B, H, N] = {(*cache.length.shape, n)}, "
+                     f"got {scores.shape}")
+  budget = jnp.broadcast_to(jnp.asarray(cfg.budget if budget is None else budget, jnp.int32),
+                            cache.length.shape)
+  threshold = budget + (cfg.threshold - cfg.budget)
+  needs = cache.length > threshold  # [L, B, H]
+
+  def run(cache):
+    g = cfg.group_size
+    importance = group_importance(scores, g, protection_mask(cache), cfg.group_reduce)
+    # Static bound: one event may drop up to every group; n_evict picks the dynamic count.
+    k = n // g
+    neg_top, order = jax.lax.top_k(-importance, k)  # lowest importance first
+    n_evict = jnp.where(needs, -(-(cache.length - budget) // g), 0)  # [L, B, H]
+    take = (jnp.arange(k) < n_evict[..., None]) & jnp.isfinite(neg_top)
+    evicted = jnp.zeros(importance.shape, bool)
+    evicted = jax.vmap(lambda e, o, t: e.at[o].set(t))(
+        evicted.reshape(-1, n // g), order.reshape(-1, k), take.reshape(-1, k)
+    ).reshape(importance.shape)
+    short = (take.sum(-1) < n_evict).any()
+    status = cache.status | jnp.where(short, Status.OVER_BUDGET, 0).astype(jnp.int32)
+    apply = _evict_pages if g > 1 else _evict_tokens
+    return apply(cache, evicted).replace(status=status)
+
+  return jax.lax.cond(needs.any(), run, lambda c: c, cache)
+
+
+def _compact_index(keep: Bool[Array, "... X"]) -> Int[Array, "... X"]:
+  """New index of each kept element when kept elements move to the front, in order;
+  dropped elements map to X (out of range, so scatters with mode='drop' skip them)."""
+  return jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, keep.shape[-1])
+
+
+def _free(cache: PagedKVCache, freed: Bool[Array, "L B H M"]) -> PagedKVCache:
+  """Pushes the pages marked in `freed` (page-table positions) onto the free stack."""
+  pages = cache.page_table.reshape(-1)
+  flag = freed.reshape(-1)
+  dest = jnp.where(flag, cache.num_free + jnp.cumsum(flag) - 1, cache.num_pages)
+  drop = jnp.where(flag, pages, cache.num_pages)
+  return cache.replace(
+      free_pages=cache.free_pages.at[dest].set(pages, mode="drop"),
+      num_free=cache.num_free + flag.sum(),
+      # Freed pages carry no metadata into their next owner.
+      position=cache.position.at[drop].set(-1, mode="drop"),
+      score=cache.score.at[drop].set(0.0, mode="drop"),
+      protected=cache.protected.at[drop].set(False, mode="drop"),
+  )
+
+
+def _evict_pages(cache: PagedKVCache, evicted: Bool[Array, "L B H M"]) -> PagedKVCache:
+  cache = _free(cache, evicted)
+  keep = ~evicted
+  table = jax.vmap(lambda t, i: jnp.full_like(t, NULL_PAGE).at[i].set(t, mode="drop"))(
+      cache.page_table.reshape(-1, cache.config.max_pages),
+      _compact_index(keep).reshape(-1, cache.config.max_pages),
+  ).reshape(cache.page_table.shape)
+  length = cache.length - evicted.sum(-1) * cache.config.page_size
+  return cache.replace(page_table=table, length=length)
+
+
+def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> PagedKVCache:
+  ps, m = cache.config.page_size, cache.config.max_pages
+  keep = ~evicted & valid_mask(cache)
+  new_slot = _compact_index(keep)  # [L, B, H, N]
+  new_length = keep.sum(-1)
+  # Source and destination physical coordinates; destinations are never after their
+  # sources, and the gather reads the old pool, so compaction in place is safe.
+  src_page = jnp.repeat(cache.page_table, ps, axis=-1)
+  src_off = jnp.broadcast_to(jnp.arange(cache.config.max_tokens) % ps, src_page.shape)
+  dst_page = jnp.take_along_axis(cache.page_table, jnp.minimum(new_slot // ps, m - 1), axis=-1)
+  dst_page = jnp.where(keep, dst_page, cache.num_pages)
+  dst_off = new_slot % ps
+
+  def move(x):
+    return x.at[dst_page, dst_off].set(x[src_page, src_off], mode="drop")
+
+  # Slots left behind the new tail hold stale metadata: clear it.
+  idx = jnp.arange(cache.config.max_tokens)
+  stale = (idx >= new_length[..., None]) & (idx < cache.length[..., None])
+  stale_page = jnp.where(stale, src_page, cache.num_pages)
+
+  def clear(x, empty):
+    return x.at[stale_page, src_off].set(empty, mode="drop")
+
+  cache = cache.replace(
+      k_pages=move(cache.k_pages), v_pages=move(cache.v_pages),
+      position=clear(move(cache.position), -1), score=clear(move(cache.score), 0.0),
+      protected=clear(move(cache.protected), False))
+  held = -(-cache.length // ps)
+  kept_pages = -(-new_length // ps)
+  page_idx = jnp.arange(m)
+  freed = (page_idx >= kept_pages[..., None]) & (page_idx < held[..., None])
+  cache = _free(cache, freed)
+  return cache.replace(page_table=jnp.where(freed, NULL_PAGE, cache.page_table),
+                       length=new_length)
