@@ -43,14 +43,14 @@ def validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_
 
 
 def visible_mask(lengths, num_queries, t: int, n: int):
-  """[B, T, Hkv, N]: slot n is visible to query t of row b.
+  """[B, Hkv, T, N]: slot n is visible to query t of row b.
 
   The T queries are the last `num_queries[b]` tokens written to each sequence (a prefill
   chunk or one decode token), so query t sees slots < lengths - num_queries + t + 1:
   everything cached before the chunk, and the chunk causally. Padding queries see nothing.
   """
-  q_idx = jnp.arange(t)[None, :, None]  # [1, T, 1]
-  limit = lengths[:, None, :] - num_queries[:, None, None] + q_idx + 1  # [B, T, Hkv]
+  q_idx = jnp.arange(t)[None, None, :]  # [1, 1, T]
+  limit = lengths[:, :, None] - num_queries[:, None, None] + q_idx + 1  # [B, Hkv, T]
   limit = jnp.where(q_idx < num_queries[:, None, None], limit, 0)
   return jnp.arange(n) < limit[..., None]
 
@@ -64,7 +64,7 @@ def paged_attention_reference(
     num_queries: Int[Array, " B"] | None = None,
     *,
     scale: float | None = None,
-) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B T Hkv N"]]:
+) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B Hkv T N"]]:
   """Causal GQA attention of T queries over paged sequences (N = M * S slots).
 
   Returns the output and the attention probabilities per kv head, summed over the
@@ -73,24 +73,24 @@ def paged_attention_reference(
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   b, t, hq, d = q.shape
   _, hkv, m = page_table.shape
-  s = k_pages.shape[1]
-  n = m * s
+  n = m * k_pages.shape[1]
   g = hq // hkv
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
   scale = d**-0.5 if scale is None else scale
 
-  k_BxKxNxD = k_pages[page_table].reshape(b, hkv, n, d)
-  v_BxKxNxD = v_pages[page_table].reshape(b, hkv, n, d)
+  k_BxKxNxD = k_pages[page_table].reshape(b, hkv, n, d).astype(jnp.float32)
+  v_BxKxNxD = v_pages[page_table].reshape(b, hkv, n, d).astype(jnp.float32)
+  # Unused slots may hold anything (NaN included). Masked logits are replaced below; V
+  # must be zeroed so that 0 * NaN never reaches the output.
   live_BxKxN = jnp.arange(n) < lengths[..., None]
-  # Unused slots may hold anything (NaN included): zero them so 0 * NaN never happens.
-  k_BxKxNxD = jnp.where(live_BxKxN[..., None], k_BxKxNxD, 0).astype(jnp.float32)
-  v_BxKxNxD = jnp.where(live_BxKxN[..., None], v_BxKxNxD, 0).astype(jnp.float32)
+  v_BxKxNxD = jnp.where(live_BxKxN[..., None], v_BxKxNxD, 0.0)
 
-  q_BxTxKxGxD = q.reshape(b, t, hkv, g, d).astype(jnp.float32) * scale
-  logits = jnp.einsum("btkgd,bknd->btkgn", q_BxTxKxGxD, k_BxKxNxD)
-  visible = visible_mask(lengths, num_queries, t, n)[:, :, :, None, :]  # [B, T, Hkv, 1, N]
+  # Kv-head-major layout ([B, Hkv, T*G, D]) keeps both contractions plain batched matmuls.
+  q_BxKxQxD = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  logits = jnp.einsum("bkqd,bknd->bkqn", q_BxKxQxD.astype(jnp.float32) * scale, k_BxKxNxD)
+  visible = jnp.repeat(visible_mask(lengths, num_queries, t, n), g, axis=2)  # [B, Hkv, T*G, N]
   logits = jnp.where(visible, logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1)
-  probs = jnp.where(visible, probs, 0.0)
-  out = jnp.einsum("btkgn,bknd->btkgd", probs, v_BxKxNxD)
-  return out.reshape(b, t, hq, d).astype(q.dtype), probs.sum(axis=3)
+  probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)
+  out = jnp.einsum("bkqn,bknd->bkqd", probs, v_BxKxNxD)
+  out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+  return out.astype(q.dtype), probs.reshape(b, hkv, t, g, n).sum(axis=3)

@@ -1,0 +1,159 @@
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention_reference
+
+
+def _paged_problem(rng, page_size, hkv, group, lengths, t, d=16, extra_pages=3):
+  """Random pool with NaN everywhere a sequence does not own, pages shuffled."""
+  b = len(lengths)
+  m = max(-(-max(lengths) // page_size), 1) + 1
+  num_pages = b * hkv * m + extra_pages
+  k_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
+  v_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
+  page_table = np.zeros((b, hkv, m), np.int32)
+  free = list(rng.permutation(np.arange(1, num_pages)))
+  dense_k, dense_v = {}, {}
+  for bi, n in enumerate(lengths):
+    for h in range(hkv):
+      ks = rng.normal(size=(n, d)).astype(np.float32)
+      vs = rng.normal(size=(n, d)).astype(np.float32)
+      dense_k[bi, h], dense_v[bi, h] = ks, vs
+      for p in range(-(-n // page_size)):
+        page = free.pop()
+        page_table[bi, h, p] = page
+        rows = slice(p * page_size, min((p + 1) * page_size, n))
+        k_pages[page, : rows.stop - rows.start] = ks[rows]
+        v_pages[page, : rows.stop - rows.start] = vs[rows]
+  q = rng.normal(size=(b, t, hkv * group, d)).astype(np.float32)
+  lengths_BxK = np.repeat(np.asarray(lengths, np.int32)[:, None], hkv, axis=1)
+  return q, k_pages, v_pages, page_table, lengths_BxK, dense_k, dense_v
+
+
+def _dense_attention(q, dense_k, dense_v, lengths, num_queries, hkv):
+  """float64 attention over contiguous K/V: query t of row b sees its first
+  lengths[b] - num_queries[b] + t + 1 tokens."""
+  b, t, hq, d = q.shape
+  group = hq // hkv
+  out = np.zeros((b, t, hq, d))
+  probs = np.zeros((b, hkv, t, max(lengths)))
+  for bi in range(b):
+    for ti in range(num_queries[bi]):
+      visible = lengths[bi] - num_queries[bi] + ti + 1
+      for hi in range(hq):
+        kv = hi // group
+        k = dense_k[bi, kv][:visible].astype(np.float64)
+        v = dense_v[bi, kv][:visible].astype(np.float64)
+        logits = k @ q[bi, ti, hi].astype(np.float64) / np.sqrt(d)
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        out[bi, ti, hi] = p @ v
+        probs[bi, kv, ti, :visible] += p
+  return out, probs
+
+
+@pytest.mark.parametrize(
+    "page_size, group, lengths, t",
+    [
+        (ps, g, lengths, t)
+        for ps, g in itertools.product((1, 4, 16), (1, 3, 4))
+        for lengths, t in (
+            ([1], 1),  # a single token
+            ([ps], 1),  # exactly one page
+            ([ps + 1, 2 * ps - 1], 1),  # page boundaries
+            ([3 * ps, 1, 2 * ps + 3], 1),  # ragged batch, full pages
+            ([3 * ps + 2, 2 * ps], 5 if ps > 1 else 2),  # prefill chunks, causal inside
+        )
+    ],
+)
+def test_matches_dense_attention_with_nan_poisoned_pool(page_size, group, lengths, t):
+  rng = np.random.default_rng(page_size * 100 + group * 10 + len(lengths) + t)
+  hkv = 2
+  t = min(t, min(lengths))
+  q, kp, vp, table, lens, dk, dv = _paged_problem(rng, page_size, hkv, group, lengths, t)
+  num_queries = np.full((len(lengths),), t, np.int32)
+  out, probs = jax.jit(paged_attention_reference)(q, kp, vp, table, lens, num_queries)
+  want_out, want_probs = _dense_attention(q, dk, dv, lengths, num_queries, hkv)
+  assert np.isfinite(out).all() and np.isfinite(probs).all()
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5, rtol=0)
+  assert (probs[..., max(lengths):] == 0).all()
+
+
+def test_ragged_queries_padding_rows_are_zero():
+  rng = np.random.default_rng(7)
+  q, kp, vp, table, lens, dk, dv = _paged_problem(rng, 4, 1, 2, [9, 6], 4)
+  num_queries = np.array([4, 2], np.int32)
+  out, probs = paged_attention_reference(q, kp, vp, table, lens, num_queries)
+  want_out, want_probs = _dense_attention(q, dk, dv, [9, 6], num_queries, 1)
+  np.testing.assert_allclose(out, want_out, atol=1e-5)
+  np.testing.assert_allclose(probs[..., :9], want_probs, atol=1e-5)
+  assert (np.asarray(out)[1, 2:] == 0).all() and (np.asarray(probs)[1, :, 2:] == 0).all()
+
+
+def test_hand_computed_tiny_case():
+  # One kv head, one query head, d=1: logits = q * k / 1 = (0, log 3) -> probs (1/4, 3/4).
+  k_pages = jnp.array([[[np.nan]], [[0.0]], [[1.0]]], jnp.float32)  # page 0 = null
+  v_pages = jnp.array([[[np.nan]], [[4.0]], [[8.0]]], jnp.float32)
+  q = jnp.full((1, 1, 1, 1), np.log(3.0), jnp.float32)
+  table = jnp.array([[[2, 1, 0]]], jnp.int32)  # logical order: page 2 then page 1
+  out, probs = paged_attention_reference(q, k_pages, v_pages, table, jnp.array([[2]]))
+  np.testing.assert_allclose(probs[0, 0, 0], [0.75, 0.25, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(out[0, 0, 0], [0.75 * 8 + 0.25 * 4], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(q=np.zeros((1, 1, 4), np.float32)), ValueError, r"q must be \[B, T, Hq, D\]"),
+        (dict(k_pages=np.zeros((5, 4, 7), np.float32)), ValueError, r"k_pages must be \[P, S, D=8\]"),
+        (dict(v_pages=np.zeros((5, 2, 8), np.float32)), ValueError, "v_pages shape"),
+        (dict(page_table=np.zeros((2, 2, 3), np.int32)), ValueError, r"page_table must be \[B=1"),
+        (dict(page_table=np.zeros((1, 3, 3), np.int32)), ValueError, "Hq=4 must be a multiple of kv heads Hkv=3"),
+        (dict(lengths=np.zeros((1,), np.int32)), ValueError, r"lengths must be \[B, Hkv\]"),
+        (dict(num_queries=np.zeros((2,), np.int32)), ValueError, r"num_queries must be \[B\]"),
+        (dict(page_table=np.zeros((1, 2, 3), np.float32)), TypeError, "page_table must be integer"),
+        (dict(q=np.zeros((1, 1, 4, 8), np.int32)), TypeError, "q must be floating point"),
+    ],
+)
+def test_rejects_bad_arguments(change, error, match):
+  args = dict(q=np.zeros((1, 1, 4, 8), np.float32), k_pages=np.zeros((5, 4, 8), np.float32),
+              v_pages=np.zeros((5, 4, 8), np.float32), page_table=np.zeros((1, 2, 3), np.int32),
+              lengths=np.zeros((1, 2), np.int32), num_queries=None)
+  args.update(change)
+  args = {name: None if x is None else jnp.asarray(x) for name, x in args.items()}
+  with pytest.raises(error, match=match):
+    paged_attention_reference(**args)
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_attention_over_an_evicted_cache_matches_its_surviving_tokens(group_size):
+  import kvjax
+
+  rng = np.random.default_rng(11)
+  l, b, hkv, d, t = 1, 2, 2, 8, 30
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=48, budget=12, sink=1, recent=2,
+                          group_size=group_size)
+  cache = kvjax.init_cache(cfg, l, b, hkv, d, chunk=t)
+  k = jnp.asarray(rng.normal(size=(l, b, t, hkv, d)), jnp.float32)
+  cache = kvjax.append(cache, k, -k, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.array([30, 21]))
+  cache = kvjax.evict(cache, scores=jnp.asarray(rng.random((l, b, hkv, 48)), jnp.float32))
+  # Poison every free page so that only owned slots can reach the result.
+  free = cache.free_pages[: int(cache.num_free)]
+  cache = cache.replace(k_pages=cache.k_pages.at[free].set(np.nan),
+                        v_pages=cache.v_pages.at[free].set(np.nan))
+  q = jnp.asarray(rng.normal(size=(b, 1, hkv * 2, d)), jnp.float32)
+  out, probs = paged_attention_reference(q, cache.k_pages, cache.v_pages, cache.page_table[0],
+                                         cache.length[0])
+  dense_k, dense_v = {}, {}
+  for bi in range(b):
+    for h in range(hkv):
+      dense_k[bi, h], dense_v[bi, h], _ = kvjax.read_sequence(cache, 0, bi, h)
+  lengths = [int(cache.length[0, bi, 0]) for bi in range(b)]
+  want_out, want_probs = _dense_attention(np.asarray(q), dense_k, dense_v, lengths, [1, 1], hkv)
+  np.testing.assert_allclose(out, want_out, atol=1e-5)
+  np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5)
