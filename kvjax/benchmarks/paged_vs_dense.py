@@ -54,8 +54,8 @@ def paged_step(cache, q, k, v):
   return cache, out
 
 
-def _seconds_per_step(step, state, inputs, steps, repeats):
-  """Median over `repeats` runs of a jitted loop of `steps` decode steps, per step."""
+def _decode_loop(step, inputs, steps):
+  """A jitted loop of `steps` decode steps with the state donated (updated in place)."""
 
   def loop(state):
     def body(_, carry):
@@ -65,17 +65,23 @@ def _seconds_per_step(step, state, inputs, steps, repeats):
 
     return jax.lax.fori_loop(0, steps, body, (state, jnp.float32(0)))
 
-  loop = jax.jit(loop, donate_argnums=0)
-  state, _ = jax.block_until_ready(loop(state))  # compile
-  times = []
+  return jax.jit(loop, donate_argnums=0)
+
+
+def _interleaved_medians(loops_and_states, steps, repeats):
+  """Median seconds per step of each loop, timed alternately so drift hits all alike."""
+  loops = [loop for loop, _ in loops_and_states]
+  states = [jax.block_until_ready(loop(state))[0] for loop, state in loops_and_states]
+  times = [[] for _ in loops]
   for _ in range(repeats):
-    start = time.perf_counter()
-    state, _ = jax.block_until_ready(loop(state))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) / steps
+    for i, loop in enumerate(loops):
+      start = time.perf_counter()
+      states[i], _ = jax.block_until_ready(loop(states[i]))
+      times[i].append(time.perf_counter() - start)
+  return [statistics.median(t) / steps for t in times]
 
 
-def run(sizes, steps=32, repeats=5, batch=1, hq=9, hkv=3, d=64, page_size=16):
+def run(sizes, steps=32, repeats=15, batch=1, hq=9, hkv=3, d=64, page_size=16):
   rng = np.random.default_rng(0)
   rows = []
   for n in sizes:
@@ -102,8 +108,9 @@ def run(sizes, steps=32, repeats=5, batch=1, hq=9, hkv=3, d=64, page_size=16):
     out_dense = jax.jit(dense_step)(fresh_dense(), q, k, v)[1]
     np.testing.assert_allclose(out_paged, out_dense, atol=1e-4)
 
-    paged = _seconds_per_step(paged_step, fresh_paged(), (q, k, v), steps, repeats)
-    dense = _seconds_per_step(dense_step, fresh_dense(), (q, k, v), steps, repeats)
+    paged, dense = _interleaved_medians(
+        [(_decode_loop(paged_step, (q, k, v), steps), fresh_paged()),
+         (_decode_loop(dense_step, (q, k, v), steps), fresh_dense())], steps, repeats)
     rows.append((n, paged * 1e3, dense * 1e3, paged / dense))
   return rows
 
@@ -112,7 +119,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
-  parser.add_argument("--repeats", type=int, default=7, help="timed loops (median is quoted)")
+  parser.add_argument("--repeats", type=int, default=15, help="timed loops (median is quoted)")
   parser.add_argument("--batch", type=int, default=1)
   args = parser.parse_args(argv)
   print(f"backend={jax.default_backend()} jax={jax.__version__} batch={args.batch}")

@@ -1,0 +1,17 @@
+"""The README's first two commands are the project's set-up contract; CI runs the second."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands():
+  text = (ROOT / "README.md").read_text()
+  return re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+  test_command = _readme_commands()[1].strip()
+  assert "pytest" in test_command
+  assert test_command in (ROOT / ".ci" / "run").read_text()
