@@ -1,0 +1,96 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.testing import assert_cache_invariants
+
+
+def _filled(cfg, n, layers=1, batch=1, heads=1, d=4, protected=None):
+  cache = kvjax.init_cache(cfg, layers, batch, heads, d, chunk=n)
+  k = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[None, None, :, None, None],
+                       (layers, batch, n, heads, d))
+  return kvjax.append(cache, k, k, jnp.broadcast_to(jnp.arange(n), (batch, n)), None, protected)
+
+
+def _positions(cache, layer=0):
+  return kvjax.read_sequence(cache, layer, 0, 0)[2].tolist()
+
+
+def test_block_eviction_drops_lowest_pages_and_moves_no_data():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=12, sink=1, recent=1)
+  cache = _filled(cfg, 20)
+  pages_before = np.asarray(cache.page_table[0, 0, 0, :5])
+  # Page scores (mean): page 0 = sink, pages 2 and 3 lowest, page 4 = recent.
+  scores = jnp.repeat(jnp.array([9, 5, 1, 2, 7, 0, 0, 0], jnp.float32), 4)[None, None, None]
+  evicted = kvjax.evict(cache, scores=scores)
+  assert _positions(evicted) == [*range(0, 8), *range(16, 20)]
+  np.testing.assert_array_equal(evicted.page_table[0, 0, 0, :3], pages_before[[0, 1, 4]])
+  np.testing.assert_array_equal(evicted.k_pages, cache.k_pages)  # a page-table operation
+  assert_cache_invariants(evicted)
+
+
+def test_token_eviction_keeps_top_tokens_in_order():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=5, sink=1, recent=1, group_size=1,
+                          threshold=6)
+  cache = _filled(cfg, 10)
+  scores = jnp.array([0, 9, 1, 8, 2, 7, 3, 0, 0, 0] + [0] * 22, jnp.float32)[None, None, None]
+  evicted = kvjax.evict(cache, scores=scores)
+  assert _positions(evicted) == [0, 1, 3, 5, 9]
+  assert int(evicted.pages_in_use().sum()) == 2
+  k, _, _ = kvjax.read_sequence(evicted, 0, 0, 0)
+  np.testing.assert_array_equal(k[:, 0], [0, 1, 3, 5, 9])
+  assert_cache_invariants(evicted)
+
+
+def test_sequences_under_threshold_are_untouched():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=8, group_size=1)
+  cache = _filled(cfg, 12)  # threshold = 12: not passed
+  assert _positions(kvjax.evict(cache, scores=jnp.zeros((1, 1, 1, 32)))) == list(range(12))
+
+
+def test_per_layer_budgets_hold_fewer_pages():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=64, budget=16, group_size=1)
+  cache = _filled(cfg, 40, layers=3)
+  scores = jnp.zeros((3, 1, 1, 64))
+  uniform = kvjax.evict(cache, scores=scores)
+  pyramid = kvjax.evict(cache, scores=scores, budget=jnp.array([16, 8, 4])[:, None, None])
+  assert uniform.length.ravel().tolist() == [16, 16, 16]
+  assert pyramid.length.ravel().tolist() == [16, 8, 4]
+  assert int(pyramid.pages_in_use().sum()) < int(uniform.pages_in_use().sum())
+  assert int(pyramid.kv_bytes()) < int(uniform.kv_bytes())
+  assert_cache_invariants(pyramid)
+
+
+def test_marked_tokens_beyond_budget_are_kept_with_a_warning():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=4, group_size=1)
+  protected = jnp.ones((1, 10), bool).at[0, 9].set(False)
+  cache = kvjax.evict(_filled(cfg, 10, protected=protected), scores=jnp.zeros((1, 1, 1, 32)))
+  assert _positions(cache) == list(range(9))
+  assert kvjax.Status(int(cache.status)) & kvjax.Status.OVER_BUDGET
+  with pytest.warns(UserWarning, match="protected tokens exceed budget=4"):
+    kvjax.check_status(cache)
+
+
+def test_evict_rejects_bad_scores():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=8)
+  cache = _filled(cfg, 4)
+  with pytest.raises(ValueError, match=r"scores must be \[L, B, H, N\] = \(1, 1, 1, 32\)"):
+    kvjax.evict(cache, scores=jnp.zeros((1, 1, 32)))
+
+
+def test_group_importance_reductions_and_errors():
+  scores = jnp.array([[1.0, 3.0, 2.0, 6.0, np.nan, 0.0]])
+  protected = jnp.array([[False, False, False, False, True, False]])
+  np.testing.assert_array_equal(kvjax.group_importance(scores, 2, protected, "mean"),
+                                [[2.0, 4.0, np.inf]])
+  np.testing.assert_array_equal(kvjax.group_importance(scores, 2, protected, "sum"),
+                                [[4.0, 8.0, np.inf]])
+  np.testing.assert_array_equal(kvjax.group_importance(scores, 3, protected, "max"),
+                                [[3.0, np.inf]])
+  with pytest.raises(ValueError, match="group_size=4 must divide the token axis T=6"):
+    kvjax.group_importance(scores, 4, protected)
+  with pytest.raises(ValueError, match="reduce must be one of"):
+    kvjax.group_importance(scores, 2, protected, "median")
+  with pytest.raises(ValueError, match="protected shape"):
+    kvjax.group_importance(scores, 2, protected[:, :4])
