@@ -105,8 +105,13 @@ def init_cache(
   """An empty cache whose pool fits every sequence appending `chunk` tokens at a time."""
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
-  for name, value in [("num_layers", num_layers), ("batch_size", batch_size),
-                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("chunk", chunk)]:
+  for name, value in [
+      ("num_layers", num_layers),
+      ("batch_size", batch_size),
+      ("num_kv_heads", num_kv_heads),
+      ("head_dim", head_dim),
+      ("chunk", chunk),
+  ]:
     _check_int(name, value)
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
@@ -128,8 +133,9 @@ def init_cache(
       page_table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
       length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
       # Pop order hands out low page ids first: stack top is at num_free - 1.
-      free_pages=jnp.concatenate([jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32),
-                                  jnp.zeros((1,), jnp.int32)]),
+      free_pages=jnp.concatenate(
+          [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
+      ),
       num_free=jnp.array(num_pages - 1, jnp.int32),
       status=jnp.array(Status.OK, jnp.int32),
       config=config,
@@ -155,7 +161,8 @@ def _allocate(cache: PagedKVCache, layer, new_length: Int[Array, "B H"]):
   page = cache.free_pages[jnp.clip(cache.num_free - 1 - rank, 0, cache.num_pages - 1)]
   slot = jnp.where(valid, cur[..., None] + j, max_new)  # out of range -> dropped
   table_BxHxM = jax.vmap(jax.vmap(lambda t, s, p: t.at[s].set(p, mode="drop")))(
-      table_BxHxM, slot, page)
+      table_BxHxM, slot, page
+  )
   return table_BxHxM, jnp.where(fits, cache.num_free - total, cache.num_free), fits
 
 
@@ -192,8 +199,12 @@ def append_layer(
   dtype = cache.k_pages.dtype
   per_token = lambda x: jnp.broadcast_to(x[..., None], page.shape)  # noqa: E731
   status = cache.status | jnp.where(
-      fits, 0, jnp.where(new_length.max() > cache.config.max_tokens,
-                         Status.OVER_CAPACITY, Status.OUT_OF_PAGES))
+      fits,
+      0,
+      jnp.where(
+          new_length.max() > cache.config.max_tokens, Status.OVER_CAPACITY, Status.OUT_OF_PAGES
+      ),
+  )
   return cache.replace(
       k_pages=cache.k_pages.at[page, offset].set(k.astype(dtype), mode="drop"),
       v_pages=cache.v_pages.at[page, offset].set(v.astype(dtype), mode="drop"),
@@ -247,8 +258,10 @@ def _validate_append(cache, k, v, positions, num_new, protected, *, layer_axis):
   if num_new is not None and jnp.shape(num_new) != (b,):
     raise ValueError(f"num_new must be [B] = ({b},), got {jnp.shape(num_new)}")
   if protected is not None and (jnp.shape(protected) != (b, t) or protected.dtype != bool):
-    raise ValueError(f"protected must be bool [B, T] = ({b}, {t}), got "
-                     f"{jnp.shape(protected)} {getattr(protected, 'dtype', None)}")
+    raise ValueError(
+        f"protected must be bool [B, T] = ({b}, {t}), got "
+        f"{jnp.shape(protected)} {getattr(protected, 'dtype', None)}"
+    )
 
 
 def logical_view(cache: PagedKVCache, x: Array, layer=None) -> Array:
@@ -268,8 +281,11 @@ def valid_mask(cache: PagedKVCache, layer=None) -> Bool[Array, "..."]:
 def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
   """Host-side: the live (k [n, D], v [n, D], positions [n]) of one sequence, in order."""
   check_status(cache)
-  for name, value, size in (("layer", layer, cache.num_layers), ("row", row, cache.batch_size),
-                            ("head", head, cache.num_kv_heads)):
+  for name, value, size in (
+      ("layer", layer, cache.num_layers),
+      ("row", row, cache.batch_size),
+      ("head", head, cache.num_kv_heads),
+  ):
     if not 0 <= value < size:
       raise ValueError(f"{name}={value} out of range [0, {size})")
   n = int(cache.length[layer, row, head])
@@ -285,12 +301,16 @@ def check_status(cache: PagedKVCache) -> None:
     raise CacheError(
         f"out of pages: the pool of {cache.num_pages} pages (page_size="
         f"{cache.config.page_size}) could not hold an append; raise CacheConfig.num_pages, "
-        "lower the budget, or use a smaller batch")
+        "lower the budget, or use a smaller batch"
+    )
   if status & Status.OVER_CAPACITY:
     raise CacheError(
         f"a sequence would pass max_tokens={cache.config.max_tokens}; raise "
-        "CacheConfig.max_tokens or set a budget so that eviction keeps sequences short")
+        "CacheConfig.max_tokens or set a budget so that eviction keeps sequences short"
+    )
   if status & Status.OVER_BUDGET:
     warnings.warn(
         f"protected tokens exceed budget={cache.config.budget}; they were kept and the "
-        "cache holds more than its budget", stacklevel=2)
+        "cache holds more than its budget",
+        stacklevel=2,
+    )

@@ -16,9 +16,14 @@ def _demo(args) -> int:
   import kvjax
   from pallas_kernels.paged_attention import paged_attention_reference
 
-  cfg = kvjax.CacheConfig(page_size=args.page_size, max_tokens=args.max_tokens,
-                          budget=args.budget, sink=args.sink, recent=args.recent,
-                          group_size=1 if args.token_eviction else None)
+  cfg = kvjax.CacheConfig(
+      page_size=args.page_size,
+      max_tokens=args.max_tokens,
+      budget=args.budget,
+      sink=args.sink,
+      recent=args.recent,
+      group_size=1 if args.token_eviction else None,
+  )
   layers, batch, kv_heads, q_heads, head_dim = 4, 2, 3, 9, 64
   cache = kvjax.init_cache(cfg, layers, batch, kv_heads, head_dim, chunk=args.chunk)
   rng = np.random.default_rng(args.seed)
@@ -26,8 +31,9 @@ def _demo(args) -> int:
   @jax.jit
   def step(cache, k, v, q, positions, num_new):
     cache = kvjax.append(cache, k, v, positions, num_new)
-    _, probs = paged_attention_reference(q, cache.k_pages, cache.v_pages, cache.page_table[0],
-                                         cache.length[0], num_new)
+    _, probs = paged_attention_reference(
+        q, cache.k_pages, cache.v_pages, cache.page_table[0], cache.length[0], num_new
+    )
     # Attention-history score on layer 0 (every layer uses it here: a demo, not a model).
     history = kvjax.logical_view(cache, cache.score)[0] + probs.sum(axis=2)
     scores = jnp.broadcast_to(history, cache.length.shape + history.shape[-1:])
@@ -46,14 +52,22 @@ def _demo(args) -> int:
   elapsed = time.perf_counter() - start
   full_bytes = layers * batch * kv_heads * 2 * args.tokens * head_dim * 4
   _, _, kept = kvjax.read_sequence(cache, 0, 0, 0)
-  print(f"streamed {args.tokens} tokens x {batch} rows x {layers} layers x {kv_heads} kv heads "
-        f"in chunks of {args.chunk} ({elapsed:.2f} s on {jax.default_backend()})")
-  print(f"cache: budget={cfg.budget} sink={cfg.sink} recent={cfg.recent} "
-        f"page_size={cfg.page_size} group_size={cfg.group_size} pool={cache.num_pages} pages")
-  print(f"tokens held per sequence: {int(cache.length.max())}; pages in use "
-        f"{int(cache.pages_in_use().sum())} of {cache.num_pages - 1}")
-  print(f"KV bytes held: {int(cache.kv_bytes()):,} (peak {peak_bytes:,}) vs full cache "
-        f"{full_bytes:,} ({full_bytes / max(int(cache.kv_bytes()), 1):.1f}x smaller)")
+  print(
+      f"streamed {args.tokens} tokens x {batch} rows x {layers} layers x {kv_heads} kv heads "
+      f"in chunks of {args.chunk} ({elapsed:.2f} s on {jax.default_backend()})"
+  )
+  print(
+      f"cache: budget={cfg.budget} sink={cfg.sink} recent={cfg.recent} "
+      f"page_size={cfg.page_size} group_size={cfg.group_size} pool={cache.num_pages} pages"
+  )
+  print(
+      f"tokens held per sequence: {int(cache.length.max())}; pages in use "
+      f"{int(cache.pages_in_use().sum())} of {cache.num_pages - 1}"
+  )
+  print(
+      f"KV bytes held: {int(cache.kv_bytes()):,} (peak {peak_bytes:,}) vs full cache "
+      f"{full_bytes:,} ({full_bytes / max(int(cache.kv_bytes()), 1):.1f}x smaller)"
+  )
   shown = kept.tolist() if len(kept) <= 16 else kept[:8].tolist() + ["..."] + kept[-8:].tolist()
   print(f"positions kept in layer 0, row 0, head 0 ({len(kept)}): {shown}")
   return 0

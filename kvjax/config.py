@@ -90,7 +90,9 @@ class CacheConfig:
         )
       object.__setattr__(self, "threshold", threshold)
     if self.num_pages is not None and (
-        not isinstance(self.num_pages, int) or isinstance(self.num_pages, bool) or self.num_pages < 2
+        not isinstance(self.num_pages, int)
+        or isinstance(self.num_pages, bool)
+        or self.num_pages < 2
     ):
       fail(f"num_pages must be an int >= 2 (page 0 is reserved), got {self.num_pages!r}")
 

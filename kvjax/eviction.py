@@ -21,8 +21,12 @@ def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
   cfg = cache.config
   idx = jnp.arange(cfg.max_tokens)
   length = cache.length[..., None]
-  return ((idx < cfg.sink) | (idx >= length - cfg.recent) | ~valid_mask(cache)
-          | logical_view(cache, cache.protected))
+  return (
+      (idx < cfg.sink)
+      | (idx >= length - cfg.recent)
+      | ~valid_mask(cache)
+      | logical_view(cache, cache.protected)
+  )
 
 
 def evict(
@@ -47,10 +51,12 @@ def evict(
   if scores is None:
     scores = logical_view(cache, cache.score)
   elif scores.shape != (*cache.length.shape, n):
-    raise ValueError(f"scores must be [L, B, H, N] = {(*cache.length.shape, n)}, "
-                     f"got {scores.shape}")
-  budget = jnp.broadcast_to(jnp.asarray(cfg.budget if budget is None else budget, jnp.int32),
-                            cache.length.shape)
+    raise ValueError(
+        f"scores must be [L, B, H, N] = {(*cache.length.shape, n)}, " f"got {scores.shape}"
+    )
+  budget = jnp.broadcast_to(
+      jnp.asarray(cfg.budget if budget is None else budget, jnp.int32), cache.length.shape
+  )
   threshold = budget + (cfg.threshold - cfg.budget)
   needs = cache.length > threshold  # [L, B, H]
 
@@ -132,13 +138,15 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
     return x.at[stale_page, src_off].set(empty, mode="drop")
 
   cache = cache.replace(
-      k_pages=move(cache.k_pages), v_pages=move(cache.v_pages),
-      position=clear(move(cache.position), -1), score=clear(move(cache.score), 0.0),
-      protected=clear(move(cache.protected), False))
+      k_pages=move(cache.k_pages),
+      v_pages=move(cache.v_pages),
+      position=clear(move(cache.position), -1),
+      score=clear(move(cache.score), 0.0),
+      protected=clear(move(cache.protected), False),
+  )
   held = -(-cache.length // ps)
   kept_pages = -(-new_length // ps)
   page_idx = jnp.arange(m)
   freed = (page_idx >= kept_pages[..., None]) & (page_idx < held[..., None])
   cache = _free(cache, freed)
-  return cache.replace(page_table=jnp.where(freed, NULL_PAGE, cache.page_table),
-                       length=new_length)
+  return cache.replace(page_table=jnp.where(freed, NULL_PAGE, cache.page_table), length=new_length)

@@ -24,8 +24,9 @@ def group_importance(
   if t % group_size:
     raise ValueError(f"group_size={group_size} must divide the token axis T={t}")
   if protected.shape != token_scores.shape:
-    raise ValueError(f"protected shape {protected.shape} != token_scores shape "
-                     f"{token_scores.shape}")
+    raise ValueError(
+        f"protected shape {protected.shape} != token_scores shape " f"{token_scores.shape}"
+    )
   if reduce not in GROUP_REDUCTIONS:
     raise ValueError(f"reduce must be one of {GROUP_REDUCTIONS}, got {reduce!r}")
   grouped = token_scores.reshape(*token_scores.shape[:-1], t // group_size, group_size)

@@ -31,6 +31,7 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   everything = np.sort(np.concatenate([owned, free]))
   assert np.array_equal(everything, np.arange(1, cache.num_pages)), (
       f"owned ({len(owned)}) + free ({len(free)}) pages must be the pool minus the null "
-      f"page ({cache.num_pages - 1})")
+      f"page ({cache.num_pages - 1})"
+  )
   assert (np.asarray(cache.position)[free] == -1).all(), "a free page keeps token positions"
   assert not np.asarray(cache.protected)[free].any(), "a free page keeps protection flags"

@@ -31,6 +31,15 @@ from .safetensors_loader import load_hf_dir
 from .tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "ModelConfig", "ModelSource", "RopeScaling", "Tokenizer", "check_params",
-    "known_models", "load_gguf", "load_hf_dir", "load_model", "resolve_model",
+    "DEFAULT_MODEL",
+    "ModelConfig",
+    "ModelSource",
+    "RopeScaling",
+    "Tokenizer",
+    "check_params",
+    "known_models",
+    "load_gguf",
+    "load_hf_dir",
+    "load_model",
+    "resolve_model",
 ]

@@ -22,132 +22,162 @@ _GLOBAL_NAMES = {
 }
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
     "attn_output.weight": "wo",
-    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
     "ffn_norm.weight": "mlp_norm",
-    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def open_gguf(path: str | os.PathLike):
-    """Open `path` with `gguf.GGUFReader`, turning failures into errors that name the file."""
-    import gguf
+  """Open `path` with `gguf.GGUFReader`, turning failures into errors that name the file."""
+  import gguf
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on truncated or foreign files
-        raise ValueError(f"{str(path)!r} is not a valid GGUF file: {e}") from e
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises assorted errors on truncated or foreign files
+    raise ValueError(f"{str(path)!r} is not a valid GGUF file: {e}") from e
 
 
 def read_metadata(reader) -> dict[str, Any]:
-    """All GGUF key/value fields as plain Python values (str, int, float, bool, lists)."""
-    return {k: f.contents() for k, f in reader.fields.items()}
+  """All GGUF key/value fields as plain Python values (str, int, float, bool, lists)."""
+  return {k: f.contents() for k, f in reader.fields.items()}
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved -> half-rotation RoPE layout).
+  """Undo llama.cpp's q/k row permutation (interleaved -> half-rotation RoPE layout).
 
-    `w` is `[n_head * head_dim, d_in]` (or a bias `[n_head * head_dim]`). llama.cpp reorders the
-    rows of each head from (half, pair) to (pair, half) order for its interleaved RoPE.
-    """
-    hd = w.shape[0] // n_head
-    return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  `w` is `[n_head * head_dim, d_in]` (or a bias `[n_head * head_dim]`). llama.cpp reorders the
+  rows of each head from (half, pair) to (pair, half) order for its interleaved RoPE.
+  """
+  hd = w.shape[0] // n_head
+  return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _f32(v) -> float:
-    """GGUF stores floats as float32: give back the shortest decimal (1e-05, not 9.99999974e-06)."""
-    return float(str(np.float32(v)))
+  """GGUF stores floats as float32: give back the shortest decimal (1e-05, not 9.99999974e-06)."""
+  return float(str(np.float32(v)))
 
 
-def _config_from_metadata(md: dict[str, Any], path: Path, vocab_rows: int, tied: bool,
-                          qkv_bias: bool) -> ModelConfig:
-    arch = md.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{str(path)!r}: general.architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-
-    def get(key, default=None):
-        v = md.get(f"{arch}.{key}", default)
-        if v is None:
-            raise ValueError(f"{str(path)!r}: missing metadata key '{arch}.{key}'")
-        return v
-
-    scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"{str(path)!r}: {arch}.rope.scaling.type={scaling!r} is not supported")
-    d, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", d // n_heads))
-    rot = int(get("rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise ValueError(f"{str(path)!r}: partial RoPE ({arch}.rope.dimension_count={rot} != "
-                         f"head_dim={head_dim}) is not supported")
-    eos_ids = tuple(dict.fromkeys(  # ordered, de-duplicated
-        md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                        "tokenizer.ggml.eom_token_id") if k in md))
-    return ModelConfig(
-        vocab_size=int(get("vocab_size", vocab_rows)), d_model=d,
-        n_layers=int(get("block_count")), n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        ffn_dim=int(get("feed_forward_length")),
-        rope_theta=_f32(get("rope.freq_base", 10000.0)),
-        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-        max_context=int(get("context_length")),
-        tie_embeddings=tied, qkv_bias=qkv_bias,
-        bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_ids=eos_ids,
-        chat_template=md.get("tokenizer.chat_template"),
-        name=path.name.removesuffix(".gguf"),
+def _config_from_metadata(
+    md: dict[str, Any], path: Path, vocab_rows: int, tied: bool, qkv_bias: bool
+) -> ModelConfig:
+  arch = md.get("general.architecture")
+  if arch not in SUPPORTED_ARCHS:
+    raise ValueError(
+        f"{str(path)!r}: general.architecture {arch!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_ARCHS)})"
     )
+
+  def get(key, default=None):
+    v = md.get(f"{arch}.{key}", default)
+    if v is None:
+      raise ValueError(f"{str(path)!r}: missing metadata key '{arch}.{key}'")
+    return v
+
+  scaling = md.get(f"{arch}.rope.scaling.type", "none")
+  if scaling not in ("none", None):
+    raise ValueError(f"{str(path)!r}: {arch}.rope.scaling.type={scaling!r} is not supported")
+  d, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+  head_dim = int(get("attention.key_length", d // n_heads))
+  rot = int(get("rope.dimension_count", head_dim))
+  if rot != head_dim:
+    raise ValueError(
+        f"{str(path)!r}: partial RoPE ({arch}.rope.dimension_count={rot} != "
+        f"head_dim={head_dim}) is not supported"
+    )
+  eos_ids = tuple(
+      dict.fromkeys(  # ordered, de-duplicated
+          md[k]
+          for k in (
+              "tokenizer.ggml.eos_token_id",
+              "tokenizer.ggml.eot_token_id",
+              "tokenizer.ggml.eom_token_id",
+          )
+          if k in md
+      )
+  )
+  return ModelConfig(
+      vocab_size=int(get("vocab_size", vocab_rows)),
+      d_model=d,
+      n_layers=int(get("block_count")),
+      n_heads=n_heads,
+      n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+      head_dim=head_dim,
+      ffn_dim=int(get("feed_forward_length")),
+      rope_theta=_f32(get("rope.freq_base", 10000.0)),
+      rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+      max_context=int(get("context_length")),
+      tie_embeddings=tied,
+      qkv_bias=qkv_bias,
+      bos_id=md.get("tokenizer.ggml.bos_token_id"),
+      eos_ids=eos_ids,
+      chat_template=md.get("tokenizer.chat_template"),
+      name=path.name.removesuffix(".gguf"),
+  )
 
 
 def _dequantize(t, path: Path) -> np.ndarray:
-    from gguf.quants import dequantize
+  from gguf.quants import dequantize
 
-    # gguf lists dims fastest-first (ggml `ne`); numpy/HF order is the reverse.
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    try:
-        w = dequantize(t.data, t.tensor_type)
-    except NotImplementedError as e:
-        raise ValueError(f"{str(path)!r}: tensor {t.name!r} has unsupported type "
-                         f"{t.tensor_type.name}: {e}") from e
-    # Copy: F32/F16 tensors come back as views of the read-only memmap.
-    return np.array(w, dtype=np.float32).reshape(shape)
+  # gguf lists dims fastest-first (ggml `ne`); numpy/HF order is the reverse.
+  shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+  try:
+    w = dequantize(t.data, t.tensor_type)
+  except NotImplementedError as e:
+    raise ValueError(
+        f"{str(path)!r}: tensor {t.name!r} has unsupported type " f"{t.tensor_type.name}: {e}"
+    ) from e
+  # Copy: F32/F16 tensors come back as views of the read-only memmap.
+  return np.array(w, dtype=np.float32).reshape(shape)
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
-    """Load a GGUF file: (config, params in canonical names as float32, raw GGUF metadata).
+  """Load a GGUF file: (config, params in canonical names as float32, raw GGUF metadata).
 
-    q/k weights are returned in the HF layout (half-rotation RoPE), linear weights as
-    `[out_features, in_features]`.
-    """
-    path = Path(path)
-    reader = open_gguf(path)
-    md = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{str(path)!r}: no 'token_embd.weight' tensor; not a Llama-style model")
-    vocab_rows = int(tensors["token_embd.weight"].shape[-1])
-    config = _config_from_metadata(md, path, vocab_rows, tied="output.weight" not in tensors,
-                                   qkv_bias="blk.0.attn_q.bias" in tensors)
+  q/k weights are returned in the HF layout (half-rotation RoPE), linear weights as
+  `[out_features, in_features]`.
+  """
+  path = Path(path)
+  reader = open_gguf(path)
+  md = read_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  if "token_embd.weight" not in tensors:
+    raise ValueError(f"{str(path)!r}: no 'token_embd.weight' tensor; not a Llama-style model")
+  vocab_rows = int(tensors["token_embd.weight"].shape[-1])
+  config = _config_from_metadata(
+      md,
+      path,
+      vocab_rows,
+      tied="output.weight" not in tensors,
+      qkv_bias="blk.0.attn_q.bias" in tensors,
+  )
 
-    params: dict[str, np.ndarray] = {}
-    for name, t in tensors.items():
-        if name in _GLOBAL_NAMES:
-            key = _GLOBAL_NAMES[name]
-        else:
-            m = _LAYER_RE.fullmatch(name)
-            if not m or m.group(2) not in _LAYER_NAMES:
-                raise ValueError(f"{str(path)!r}: unexpected tensor {name!r}")
-            key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-        w = _dequantize(t, path)
-        # llama.cpp permutes q/k only for the "llama" arch (qwen2 already uses NEOX-style RoPE).
-        kind = key.rsplit(".", 1)[-1]
-        if md["general.architecture"] == "llama" and kind in ("wq", "bq", "wk", "bk"):
-            w = unpermute_qk(w, config.n_heads if kind in ("wq", "bq") else config.n_kv_heads)
-        params[key] = w
-    check_params(config, params, str(path), optional=("rope_freqs",))
-    return config, params, md
+  params: dict[str, np.ndarray] = {}
+  for name, t in tensors.items():
+    if name in _GLOBAL_NAMES:
+      key = _GLOBAL_NAMES[name]
+    else:
+      m = _LAYER_RE.fullmatch(name)
+      if not m or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"{str(path)!r}: unexpected tensor {name!r}")
+      key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    w = _dequantize(t, path)
+    # llama.cpp permutes q/k only for the "llama" arch (qwen2 already uses NEOX-style RoPE).
+    kind = key.rsplit(".", 1)[-1]
+    if md["general.architecture"] == "llama" and kind in ("wq", "bq", "wk", "bk"):
+      w = unpermute_qk(w, config.n_heads if kind in ("wq", "bq") else config.n_kv_heads)
+    params[key] = w
+  check_params(config, params, str(path), optional=("rope_freqs",))
+  return config, params, md

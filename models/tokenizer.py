@@ -12,10 +12,14 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 # Split regexes of llama.cpp's `tokenizer.ggml.pre` families (the same as in the HF tokenizer.json).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2 regex after isolating every digit
 SUPPORTED_PRE = (*_DIGIT_SPLIT_PRES, "gpt-2", "llama-bpe", "qwen2")
 
@@ -24,154 +28,207 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def _pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _DIGIT_SPLIT_PRES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    if pre == "gpt-2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    split = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
-    if split is None:
-        raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_PRE)})")
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                    byte_level])
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  if pre in _DIGIT_SPLIT_PRES:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+  if pre == "gpt-2":
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+  split = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+  if split is None:
+    raise ValueError(
+        f"tokenizer.ggml.pre={pre!r} is not supported " f"(supported: {', '.join(SUPPORTED_PRE)})"
+    )
+  return pre_tokenizers.Sequence(
+      [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+  )
 
 
 class Tokenizer:
-    """Text <-> ids, plus the model's chat template and special ids."""
+  """Text <-> ids, plus the model's chat template and special ids."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, *, bos_id: int | None = None,
-                 eos_ids: Sequence[int] = (), chat_template: str | None = None):
-        self.tok = tok
-        self.bos_id = bos_id
-        self.eos_ids = tuple(eos_ids)
-        self.chat_template = chat_template
+  def __init__(
+      self,
+      tok: tokenizers.Tokenizer,
+      *,
+      bos_id: int | None = None,
+      eos_ids: Sequence[int] = (),
+      chat_template: str | None = None,
+  ):
+    self.tok = tok
+    self.bos_id = bos_id
+    self.eos_ids = tuple(eos_ids)
+    self.chat_template = chat_template
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
+  @property
+  def vocab_size(self) -> int:
+    return self.tok.get_vocab_size(with_added_tokens=True)
 
-    @classmethod
-    def from_gguf(cls, source: str | os.PathLike | Mapping[str, Any] | Any) -> Tokenizer:
-        """Rebuild from GGUF metadata: a .gguf path, a `GGUFReader`, or `load_gguf`'s metadata."""
-        from .gguf_loader import open_gguf, read_metadata
+  @classmethod
+  def from_gguf(cls, source: str | os.PathLike | Mapping[str, Any] | Any) -> Tokenizer:
+    """Rebuild from GGUF metadata: a .gguf path, a `GGUFReader`, or `load_gguf`'s metadata."""
+    from .gguf_loader import open_gguf, read_metadata
 
-        if isinstance(source, (str, os.PathLike)):
-            md = read_metadata(open_gguf(source))
-        elif isinstance(source, Mapping):
-            md = source
-        else:  # a GGUFReader
-            md = read_metadata(source)
-        kind = md.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported "
-                             "(only byte-level BPE, 'gpt2')")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in md:
-                raise ValueError(f"GGUF metadata lacks {key!r}; cannot rebuild the tokenizer")
-        tokens = list(md["tokenizer.ggml.tokens"])
-        types = list(md.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        pre = md.get("tokenizer.ggml.pre", "gpt-2")
+    if isinstance(source, (str, os.PathLike)):
+      md = read_metadata(open_gguf(source))
+    elif isinstance(source, Mapping):
+      md = source
+    else:  # a GGUFReader
+      md = read_metadata(source)
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+      raise ValueError(
+          f"GGUF tokenizer.ggml.model={kind!r} is not supported " "(only byte-level BPE, 'gpt2')"
+      )
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+      if key not in md:
+        raise ValueError(f"GGUF metadata lacks {key!r}; cannot rebuild the tokenizer")
+    tokens = list(md["tokenizer.ggml.tokens"])
+    types = list(md.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = md.get("tokenizer.ggml.pre", "gpt-2")
 
-        # Byte-level vocabularies spell every byte as a printable char, so no token contains a
-        # space and each merge "a b" splits unambiguously.
-        merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                         ignore_merges=pre == "llama-bpe")  # as in Llama-3's tokenizer.json
-        tok = tokenizers.Tokenizer(bpe)
-        if pre == "qwen2":
-            tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = _pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-        # Control/user-defined tokens must match whole in raw text, e.g. <|im_start|> -> one id.
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        eos_ids = dict.fromkeys(md[k] for k in ("tokenizer.ggml.eos_token_id",
-                                                "tokenizer.ggml.eot_token_id",
-                                                "tokenizer.ggml.eom_token_id") if k in md)
-        return cls(tok, bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
-                   chat_template=md.get("tokenizer.chat_template"))
+    # Byte-level vocabularies spell every byte as a printable char, so no token contains a
+    # space and each merge "a b" splits unambiguously.
+    merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
+    bpe = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre == "llama-bpe"
+    )  # as in Llama-3's tokenizer.json
+    tok = tokenizers.Tokenizer(bpe)
+    if pre == "qwen2":
+      tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    # Control/user-defined tokens must match whole in raw text, e.g. <|im_start|> -> one id.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == _CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == _USER_DEFINED
+        ]
+    )
+    eos_ids = dict.fromkeys(
+        md[k]
+        for k in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
+        if k in md
+    )
+    return cls(
+        tok,
+        bos_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_ids=tuple(eos_ids),
+        chat_template=md.get("tokenizer.chat_template"),
+    )
 
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, *, bos_id: int | None = None,
-                  eos_ids: Sequence[int] | None = None,
-                  chat_template: str | None = None) -> Tokenizer:
-        """Load a tokenizer.json; special ids and chat template default to the sibling
-        tokenizer_config.json / chat_template.jinja when present."""
-        from .safetensors_loader import read_chat_template, read_json
+  @classmethod
+  def from_file(
+      cls,
+      path: str | os.PathLike,
+      *,
+      bos_id: int | None = None,
+      eos_ids: Sequence[int] | None = None,
+      chat_template: str | None = None,
+  ) -> Tokenizer:
+    """Load a tokenizer.json; special ids and chat template default to the sibling
+    tokenizer_config.json / chat_template.jinja when present."""
+    from .safetensors_loader import read_chat_template, read_json
 
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {str(path)!r}")
-        try:
-            tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            raise ValueError(f"{str(path)!r} is not a valid tokenizer.json: {e}") from e
-        cfg_path = path.parent / "tokenizer_config.json"
-        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    path = Path(path)
+    if not path.is_file():
+      raise FileNotFoundError(f"tokenizer file not found: {str(path)!r}")
+    try:
+      tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+      raise ValueError(f"{str(path)!r} is not a valid tokenizer.json: {e}") from e
+    cfg_path = path.parent / "tokenizer_config.json"
+    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
 
-        def token_id(key):
-            t = cfg.get(key)
-            t = t.get("content") if isinstance(t, dict) else t
-            return None if t is None else tok.token_to_id(t)
+    def token_id(key):
+      t = cfg.get(key)
+      t = t.get("content") if isinstance(t, dict) else t
+      return None if t is None else tok.token_to_id(t)
 
-        if bos_id is None:
-            bos_id = token_id("bos_token")
-        if eos_ids is None:
-            eos = token_id("eos_token")
-            eos_ids = () if eos is None else (eos,)
-        if chat_template is None:
-            chat_template = read_chat_template(path.parent)
-        return cls(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=chat_template)
+    if bos_id is None:
+      bos_id = token_id("bos_token")
+    if eos_ids is None:
+      eos = token_id("eos_token")
+      eos_ids = () if eos is None else (eos,)
+    if chat_template is None:
+      chat_template = read_chat_template(path.parent)
+    return cls(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=chat_template)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if add_bos:
-            if self.bos_id is None:
-                raise ValueError("encode(add_bos=True): this tokenizer has no bos_id")
-            ids = [self.bos_id, *ids]
-        return ids
+  def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    ids = self.tok.encode(text, add_special_tokens=False).ids
+    if add_bos:
+      if self.bos_id is None:
+        raise ValueError("encode(add_bos=True): this tokenizer has no bos_id")
+      ids = [self.bos_id, *ids]
+    return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template."""
-        if self.chat_template is None:
-            raise ValueError("apply_chat_template: this tokenizer has no chat template")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"apply_chat_template: messages[{i}] must be a dict with str "
-                                 f"'role' and 'content', got {m!r}")
-        try:
-            import jinja2.sandbox
-        except ImportError:
-            return self._chatml_fallback(messages, add_generation_prompt)
+  def apply_chat_template(
+      self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+  ) -> str:
+    """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template."""
+    if self.chat_template is None:
+      raise ValueError("apply_chat_template: this tokenizer has no chat template")
+    for i, m in enumerate(messages):
+      if (
+          not isinstance(m, Mapping)
+          or not isinstance(m.get("role"), str)
+          or not isinstance(m.get("content"), str)
+      ):
+        raise ValueError(
+            f"apply_chat_template: messages[{i}] must be a dict with str "
+            f"'role' and 'content', got {m!r}"
+        )
+    try:
+      import jinja2.sandbox
+    except ImportError:
+      return self._chatml_fallback(messages, add_generation_prompt)
 
-        def raise_exception(msg):
-            raise ValueError(f"chat template: {msg}")
+    def raise_exception(msg):
+      raise ValueError(f"chat template: {msg}")
 
-        # Same environment settings as transformers, so templates render identically.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        special = lambda i: None if i is None else self.tok.id_to_token(i)  # noqa: E731
-        return env.from_string(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            bos_token=special(self.bos_id) or "",
-            eos_token=special(self.eos_ids[0] if self.eos_ids else None) or "")
+    # Same environment settings as transformers, so templates render identically.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = raise_exception
+    special = lambda i: None if i is None else self.tok.id_to_token(i)  # noqa: E731
+    return env.from_string(self.chat_template).render(
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        bos_token=special(self.bos_id) or "",
+        eos_token=special(self.eos_ids[0] if self.eos_ids else None) or "",
+    )
 
-    def _chatml_fallback(self, messages, add_generation_prompt: bool) -> str:
-        if "<|im_start|>" not in self.chat_template:
-            raise ImportError("apply_chat_template needs jinja2 for this (non-ChatML) template: "
-                              "pip install jinja2")
-        warnings.warn("jinja2 is not installed: rendering plain ChatML instead of the model's "
-                      "template (extras such as a default system prompt are left out); "
-                      "pip install jinja2 for exact output", RuntimeWarning, stacklevel=3)
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+  def _chatml_fallback(self, messages, add_generation_prompt: bool) -> str:
+    if "<|im_start|>" not in self.chat_template:
+      raise ImportError(
+          "apply_chat_template needs jinja2 for this (non-ChatML) template: " "pip install jinja2"
+      )
+    warnings.warn(
+        "jinja2 is not installed: rendering plain ChatML instead of the model's "
+        "template (extras such as a default system prompt are left out); "
+        "pip install jinja2 for exact output",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -21,17 +21,20 @@ def validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_
   if getattr(k_pages, "ndim", None) != 3 or k_pages.shape[-1] != d:
     raise ValueError(f"k_pages must be [P, S, D={d}], got {getattr(k_pages, 'shape', None)}")
   if getattr(v_pages, "shape", None) != k_pages.shape:
-    raise ValueError(f"v_pages shape {getattr(v_pages, 'shape', None)} != k_pages shape "
-                     f"{k_pages.shape}")
+    raise ValueError(
+        f"v_pages shape {getattr(v_pages, 'shape', None)} != k_pages shape " f"{k_pages.shape}"
+    )
   if getattr(page_table, "ndim", None) != 3 or page_table.shape[0] != b:
-    raise ValueError(f"page_table must be [B={b}, Hkv, M], got "
-                     f"{getattr(page_table, 'shape', None)}")
+    raise ValueError(
+        f"page_table must be [B={b}, Hkv, M], got " f"{getattr(page_table, 'shape', None)}"
+    )
   hkv = page_table.shape[1]
   if hq % hkv:
     raise ValueError(f"query heads Hq={hq} must be a multiple of kv heads Hkv={hkv}")
   if getattr(lengths, "shape", None) != (b, hkv):
-    raise ValueError(f"lengths must be [B, Hkv] = {(b, hkv)}, got "
-                     f"{getattr(lengths, 'shape', None)}")
+    raise ValueError(
+        f"lengths must be [B, Hkv] = {(b, hkv)}, got " f"{getattr(lengths, 'shape', None)}"
+    )
   if num_queries is not None and jnp.shape(num_queries) != (b,):
     raise ValueError(f"num_queries must be [B] = ({b},), got {jnp.shape(num_queries)}")
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):

@@ -36,8 +36,12 @@ def test_append_then_read_back_ragged_rows(use_jit):
     for head in range(H):
       k, v, pos = kvjax.read_sequence(cache, layer, 1, head)
       np.testing.assert_array_equal(pos, [0, 1, 2, 3])
-      np.testing.assert_array_equal(k, np.concatenate([k1[layer, 1, :3, head], k2[layer, 1, :, head]]))
-      np.testing.assert_array_equal(v, np.concatenate([v1[layer, 1, :3, head], v2[layer, 1, :, head]]))
+      np.testing.assert_array_equal(
+          k, np.concatenate([k1[layer, 1, :3, head], k2[layer, 1, :, head]])
+      )
+      np.testing.assert_array_equal(
+          v, np.concatenate([v1[layer, 1, :3, head], v2[layer, 1, :, head]])
+      )
 
 
 def test_jit_and_eager_agree_bitwise():
@@ -131,7 +135,11 @@ def test_kv_bytes_counts_live_pages():
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (dict(k=np.zeros((L, B, 2, H, D + 1), np.float32)), ValueError, r"k must be \[L, B, T, H, D\]"),
+        (
+            dict(k=np.zeros((L, B, 2, H, D + 1), np.float32)),
+            ValueError,
+            r"k must be \[L, B, T, H, D\]",
+        ),
         (dict(v=np.zeros((L, B, 3, H, D), np.float32)), ValueError, r"v must be"),
         (dict(k=np.zeros((L, B, 2, H, D), np.int32)), TypeError, "k must be floating point"),
         (dict(positions=np.zeros((B,), np.int32)), ValueError, r"positions must be \[B, T\]"),
@@ -142,8 +150,13 @@ def test_kv_bytes_counts_live_pages():
 )
 def test_append_rejects_bad_arguments(change, error, match):
   cache = kvjax.init_cache(kvjax.CacheConfig(page_size=4, max_tokens=32), L, B, H, D)
-  args = dict(k=np.zeros((L, B, 2, H, D), np.float32), v=np.zeros((L, B, 2, H, D), np.float32),
-              positions=np.zeros((B, 2), np.int32), num_new=None, protected=None)
+  args = dict(
+      k=np.zeros((L, B, 2, H, D), np.float32),
+      v=np.zeros((L, B, 2, H, D), np.float32),
+      positions=np.zeros((B, 2), np.int32),
+      num_new=None,
+      protected=None,
+  )
   args.update(change)
   args = {name: None if x is None else jnp.asarray(x) for name, x in args.items()}
   with pytest.raises(error, match=match):

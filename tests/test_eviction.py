@@ -8,8 +8,9 @@ from kvjax.testing import assert_cache_invariants
 
 def _filled(cfg, n, layers=1, batch=1, heads=1, d=4, protected=None):
   cache = kvjax.init_cache(cfg, layers, batch, heads, d, chunk=n)
-  k = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[None, None, :, None, None],
-                       (layers, batch, n, heads, d))
+  k = jnp.broadcast_to(
+      jnp.arange(n, dtype=jnp.float32)[None, None, :, None, None], (layers, batch, n, heads, d)
+  )
   return kvjax.append(cache, k, k, jnp.broadcast_to(jnp.arange(n), (batch, n)), None, protected)
 
 
@@ -31,8 +32,9 @@ def test_block_eviction_drops_lowest_pages_and_moves_no_data():
 
 
 def test_token_eviction_keeps_top_tokens_in_order():
-  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=5, sink=1, recent=1, group_size=1,
-                          threshold=6)
+  cfg = kvjax.CacheConfig(
+      page_size=4, max_tokens=32, budget=5, sink=1, recent=1, group_size=1, threshold=6
+  )
   cache = _filled(cfg, 10)
   scores = jnp.array([0, 9, 1, 8, 2, 7, 3, 0, 0, 0] + [0] * 22, jnp.float32)[None, None, None]
   evicted = kvjax.evict(cache, scores=scores)
@@ -82,12 +84,15 @@ def test_evict_rejects_bad_scores():
 def test_group_importance_reductions_and_errors():
   scores = jnp.array([[1.0, 3.0, 2.0, 6.0, np.nan, 0.0]])
   protected = jnp.array([[False, False, False, False, True, False]])
-  np.testing.assert_array_equal(kvjax.group_importance(scores, 2, protected, "mean"),
-                                [[2.0, 4.0, np.inf]])
-  np.testing.assert_array_equal(kvjax.group_importance(scores, 2, protected, "sum"),
-                                [[4.0, 8.0, np.inf]])
-  np.testing.assert_array_equal(kvjax.group_importance(scores, 3, protected, "max"),
-                                [[3.0, np.inf]])
+  np.testing.assert_array_equal(
+      kvjax.group_importance(scores, 2, protected, "mean"), [[2.0, 4.0, np.inf]]
+  )
+  np.testing.assert_array_equal(
+      kvjax.group_importance(scores, 2, protected, "sum"), [[4.0, 8.0, np.inf]]
+  )
+  np.testing.assert_array_equal(
+      kvjax.group_importance(scores, 3, protected, "max"), [[3.0, np.inf]]
+  )
   with pytest.raises(ValueError, match="group_size=4 must divide the token axis T=6"):
     kvjax.group_importance(scores, 4, protected)
   with pytest.raises(ValueError, match="reduce must be one of"):

@@ -17,8 +17,9 @@ CONFIGS = (
     kvjax.CacheConfig(page_size=4, max_tokens=48, budget=16, sink=2, recent=3),
     kvjax.CacheConfig(page_size=4, max_tokens=48, budget=10, sink=1, recent=2, group_size=1),
     kvjax.CacheConfig(page_size=8, max_tokens=48, budget=8, group_reduce="max"),
-    kvjax.CacheConfig(page_size=2, max_tokens=48, budget=7, sink=3, recent=0, group_size=1,
-                      group_reduce="sum"),
+    kvjax.CacheConfig(
+        page_size=2, max_tokens=48, budget=7, sink=3, recent=0, group_size=1, group_reduce="sum"
+    ),
 )
 
 
@@ -38,8 +39,14 @@ def _snapshot(cache):
         n = int(cache.length[l, b, h])
         table = cache.page_table[l, b, h]
         flat = lambda x: x[table].reshape(-1, *x.shape[2:])[:n]  # noqa: E731
-        out[l, b, h] = list(zip(flat(cache.position).tolist(), flat(cache.protected).tolist(),
-                                map(tuple, flat(cache.k_pages)), map(tuple, flat(cache.v_pages))))
+        out[l, b, h] = list(
+            zip(
+                flat(cache.position).tolist(),
+                flat(cache.protected).tolist(),
+                map(tuple, flat(cache.k_pages)),
+                map(tuple, flat(cache.v_pages)),
+            )
+        )
   return out
 
 
@@ -80,8 +87,11 @@ def test_random_append_evict_sequences_keep_invariants(config, ops):
       by_position = {tok[0]: tok for tok in tokens}
       assert all(by_position[tok[0]] == tok for tok in kept)
       n = len(tokens)
-      must_keep = {tok[0] for i, tok in enumerate(tokens)
-                   if i < config.sink or i >= n - config.recent or tok[1]}
+      must_keep = {
+          tok[0]
+          for i, tok in enumerate(tokens)
+          if i < config.sink or i >= n - config.recent or tok[1]
+      }
       assert must_keep <= set(kept_positions), "a protected token was evicted"
       if n <= config.threshold:
         assert len(kept) == n

@@ -81,7 +81,7 @@ def test_matches_dense_attention_with_nan_poisoned_pool(page_size, group, length
   assert np.isfinite(out).all() and np.isfinite(probs).all()
   np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
   np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5, rtol=0)
-  assert (probs[..., max(lengths):] == 0).all()
+  assert (probs[..., max(lengths) :] == 0).all()
 
 
 def test_ragged_queries_padding_rows_are_zero():
@@ -110,10 +110,18 @@ def test_hand_computed_tiny_case():
     "change, error, match",
     [
         (dict(q=np.zeros((1, 1, 4), np.float32)), ValueError, r"q must be \[B, T, Hq, D\]"),
-        (dict(k_pages=np.zeros((5, 4, 7), np.float32)), ValueError, r"k_pages must be \[P, S, D=8\]"),
+        (
+            dict(k_pages=np.zeros((5, 4, 7), np.float32)),
+            ValueError,
+            r"k_pages must be \[P, S, D=8\]",
+        ),
         (dict(v_pages=np.zeros((5, 2, 8), np.float32)), ValueError, "v_pages shape"),
         (dict(page_table=np.zeros((2, 2, 3), np.int32)), ValueError, r"page_table must be \[B=1"),
-        (dict(page_table=np.zeros((1, 3, 3), np.int32)), ValueError, "Hq=4 must be a multiple of kv heads Hkv=3"),
+        (
+            dict(page_table=np.zeros((1, 3, 3), np.int32)),
+            ValueError,
+            "Hq=4 must be a multiple of kv heads Hkv=3",
+        ),
         (dict(lengths=np.zeros((1,), np.int32)), ValueError, r"lengths must be \[B, Hkv\]"),
         (dict(num_queries=np.zeros((2,), np.int32)), ValueError, r"num_queries must be \[B\]"),
         (dict(page_table=np.zeros((1, 2, 3), np.float32)), TypeError, "page_table must be integer"),
@@ -121,9 +129,14 @@ def test_hand_computed_tiny_case():
     ],
 )
 def test_rejects_bad_arguments(change, error, match):
-  args = dict(q=np.zeros((1, 1, 4, 8), np.float32), k_pages=np.zeros((5, 4, 8), np.float32),
-              v_pages=np.zeros((5, 4, 8), np.float32), page_table=np.zeros((1, 2, 3), np.int32),
-              lengths=np.zeros((1, 2), np.int32), num_queries=None)
+  args = dict(
+      q=np.zeros((1, 1, 4, 8), np.float32),
+      k_pages=np.zeros((5, 4, 8), np.float32),
+      v_pages=np.zeros((5, 4, 8), np.float32),
+      page_table=np.zeros((1, 2, 3), np.int32),
+      lengths=np.zeros((1, 2), np.int32),
+      num_queries=None,
+  )
   args.update(change)
   args = {name: None if x is None else jnp.asarray(x) for name, x in args.items()}
   with pytest.raises(error, match=match):
@@ -136,19 +149,22 @@ def test_attention_over_an_evicted_cache_matches_its_surviving_tokens(group_size
 
   rng = np.random.default_rng(11)
   l, b, hkv, d, t = 1, 2, 2, 8, 30
-  cfg = kvjax.CacheConfig(page_size=4, max_tokens=48, budget=12, sink=1, recent=2,
-                          group_size=group_size)
+  cfg = kvjax.CacheConfig(
+      page_size=4, max_tokens=48, budget=12, sink=1, recent=2, group_size=group_size
+  )
   cache = kvjax.init_cache(cfg, l, b, hkv, d, chunk=t)
   k = jnp.asarray(rng.normal(size=(l, b, t, hkv, d)), jnp.float32)
   cache = kvjax.append(cache, k, -k, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.array([30, 21]))
   cache = kvjax.evict(cache, scores=jnp.asarray(rng.random((l, b, hkv, 48)), jnp.float32))
   # Poison every free page so that only owned slots can reach the result.
   free = cache.free_pages[: int(cache.num_free)]
-  cache = cache.replace(k_pages=cache.k_pages.at[free].set(np.nan),
-                        v_pages=cache.v_pages.at[free].set(np.nan))
+  cache = cache.replace(
+      k_pages=cache.k_pages.at[free].set(np.nan), v_pages=cache.v_pages.at[free].set(np.nan)
+  )
   q = jnp.asarray(rng.normal(size=(b, 1, hkv * 2, d)), jnp.float32)
-  out, probs = paged_attention_reference(q, cache.k_pages, cache.v_pages, cache.page_table[0],
-                                         cache.length[0])
+  out, probs = paged_attention_reference(
+      q, cache.k_pages, cache.v_pages, cache.page_table[0], cache.length[0]
+  )
   dense_k, dense_v = {}, {}
   for bi in range(b):
     for h in range(hkv):

