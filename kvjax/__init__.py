@@ -34,3 +34,7 @@ __all__ = [
     "read_sequence",
     "valid_mask",
 ]
+
+from kvjax.generation import GenerationResult, TokenEvent, generate  # noqa: E402  (imports models)
+
+__all__ += ["GenerationResult", "TokenEvent", "generate"]

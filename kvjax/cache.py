@@ -82,10 +82,15 @@ class PagedKVCache:
   def pages_in_use(self) -> Int[Array, "L B H"]:
     return -(-self.length // self.config.page_size)
 
-  def kv_bytes(self) -> Int[Array, ""]:
-    """Bytes of K and V held by live pages (what a right-sized pool must hold)."""
-    page_bytes = 2 * self.config.page_size * self.head_dim * self.k_pages.dtype.itemsize
-    return self.pages_in_use().sum() * page_bytes
+  @property
+  def page_bytes(self) -> int:
+    """Bytes of K and V in one page."""
+    return 2 * self.config.page_size * self.head_dim * self.k_pages.dtype.itemsize
+
+  def kv_bytes(self) -> int:
+    """Host-side: bytes of K and V held by live pages (what a right-sized pool must hold).
+    Inside jit, track `pages_in_use().sum()` instead (int32 bytes would overflow)."""
+    return int(self.pages_in_use().sum()) * self.page_bytes
 
 
 def _check_int(name, value, minimum=1):

@@ -37,7 +37,7 @@ def _demo(args) -> int:
     # Attention-history score on layer 0 (every layer uses it here: a demo, not a model).
     history = kvjax.logical_view(cache, cache.score)[0] + probs.sum(axis=2)
     scores = jnp.broadcast_to(history, cache.length.shape + history.shape[-1:])
-    peak = cache.kv_bytes()
+    peak = cache.pages_in_use().sum()
     return kvjax.evict(cache, scores=scores), peak
 
   start, peak_bytes = time.perf_counter(), 0
@@ -47,7 +47,7 @@ def _demo(args) -> int:
     q = jnp.asarray(rng.normal(size=(batch, args.chunk, q_heads, head_dim)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(offset, offset + args.chunk), (batch, args.chunk))
     cache, peak = step(cache, k, k, q, positions.astype(jnp.int32), jnp.full((batch,), t))
-    peak_bytes = max(peak_bytes, int(peak))
+    peak_bytes = max(peak_bytes, int(peak) * cache.page_bytes)
   kvjax.check_status(cache)
   elapsed = time.perf_counter() - start
   full_bytes = layers * batch * kv_heads * 2 * args.tokens * head_dim * 4
@@ -73,9 +73,90 @@ def _demo(args) -> int:
   return 0
 
 
+def _generate(args) -> int:
+  """Generates a continuation of PROMPT with a model from the registry (default: SmolLM2)."""
+  import json
+
+  import jax
+
+  import kvjax
+  import models
+
+  start = time.perf_counter()
+  print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+  model, tokenizer = models.load_llama(args.model)
+  print(
+      f"loaded {model.config.name} ({model.config.n_layers} layers) in "
+      f"{time.perf_counter() - start:.1f} s on {jax.default_backend()}",
+      file=sys.stderr,
+      flush=True,
+  )
+  options = dict(
+      max_new_tokens=args.max_new_tokens,
+      policy=args.policy,
+      budget=args.budget,
+      chat=args.chat,
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+      seed=args.seed,
+      prefill_chunk=args.prefill_chunk,
+  )
+  if args.json:
+    result = kvjax.generate(model, tokenizer, [args.prompt], **options)
+    print(
+        json.dumps(
+            {
+                "text": result.texts[0],
+                "tokens": result.tokens[0],
+                "finish_reason": result.finish_reasons[0],
+                "stats": result.stats,
+            }
+        )
+    )
+    return 0
+  generation = kvjax.generate(model, tokenizer, [args.prompt], stream=True, **options)
+  for event in generation:
+    print(event.text, end="", flush=True)
+  print()
+  stats = generation.result.stats
+  print(
+      f"[{stats['prompt_tokens'][0]} prompt + {stats['generated_tokens'][0]} generated tokens; "
+      f"prefill {stats['prefill_seconds']:.2f} s; decode {stats['decode_tokens_per_s']:.1f} "
+      f"tokens/s (streaming); peak KV {stats['peak_kv_bytes'] / 2**20:.1f} MiB]",
+      file=sys.stderr,
+  )
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description="KV-cache compression for JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
+  gen = sub.add_parser("generate", help="generate text with a model (default: SmolLM2-135M)")
+  gen.add_argument("prompt")
+  gen.add_argument(
+      "--model",
+      default="smollm2-135m-instruct",
+      help="registry name, .gguf file or local HF checkpoint directory",
+  )
+  gen.add_argument("--policy", default="full", help="cache policy")
+  gen.add_argument("--budget", type=int, default=None, help="KV tokens kept per sequence")
+  gen.add_argument("--max-new-tokens", type=int, default=64)
+  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+  gen.add_argument("--top-p", type=float, default=1.0)
+  gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument("--prefill-chunk", type=int, default=256)
+  gen.add_argument(
+      "--chat",
+      action=argparse.BooleanOptionalAction,
+      default=True,
+      help="wrap the prompt in the model's chat template (default: on)",
+  )
+  gen.add_argument(
+      "--json", action="store_true", help="print one JSON object with text, tokens, stats"
+  )
+  gen.set_defaults(func=_generate)
   demo = sub.add_parser("demo", help="stream synthetic tokens through a bounded paged cache")
   demo.add_argument("--tokens", type=int, default=2048)
   demo.add_argument("--chunk", type=int, default=128)
@@ -94,7 +175,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except ValueError as err:  # bad input: one clear line, no traceback
+  except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
     print(f"kvjax {args.command}: error: {err}", file=sys.stderr)
     return 2
 

@@ -26,12 +26,14 @@ and q/k rows are in the HF layout for half-rotation ("rotate_half") RoPE. ``H`` 
 
 from .config import ModelConfig, RopeScaling, check_params
 from .gguf_loader import load_gguf
+from .llama import Llama, load_llama
 from .registry import DEFAULT_MODEL, ModelSource, known_models, load_model, resolve_model
 from .safetensors_loader import load_hf_dir
 from .tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Llama",
     "ModelConfig",
     "ModelSource",
     "RopeScaling",
@@ -40,6 +42,7 @@ __all__ = [
     "known_models",
     "load_gguf",
     "load_hf_dir",
+    "load_llama",
     "load_model",
     "resolve_model",
 ]

@@ -129,7 +129,7 @@ def test_kv_bytes_counts_live_pages():
   cache = kvjax.init_cache(cfg, L, B, H, D)
   k, v = _kv(np.random.default_rng(6), 5)
   cache = kvjax.append(cache, k, v, _positions(0, 5))
-  assert int(cache.kv_bytes()) == L * B * H * 2 * 2 * 4 * D * 4  # 2 pages each, K and V
+  assert cache.kv_bytes() == L * B * H * 2 * 2 * 4 * D * 4  # 2 pages each, K and V
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,196 @@
+"""Llama-family decoder in Flax NNX whose attention reads and writes the kvjax paged cache.
+
+Layer weights are stacked on a leading [L] axis and the layers run under `lax.scan`, so
+compile time does not grow with depth. Linear weights are stored `[in, out]` (`y = x @ w`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kvjax.cache import PagedKVCache, append_layer
+from models.config import ModelConfig, check_params
+from pallas_kernels.paged_attention import paged_attention_reference
+
+# Per-layer weights: name -> shape from config, in `[in, out]` orientation.
+_LAYER_WEIGHTS = {
+    "attn_norm": lambda c: (c.d_model,),
+    "wq": lambda c: (c.d_model, c.n_heads * c.head_dim),
+    "wk": lambda c: (c.d_model, c.n_kv_heads * c.head_dim),
+    "wv": lambda c: (c.d_model, c.n_kv_heads * c.head_dim),
+    "wo": lambda c: (c.n_heads * c.head_dim, c.d_model),
+    "mlp_norm": lambda c: (c.d_model,),
+    "w_gate": lambda c: (c.d_model, c.ffn_dim),
+    "w_up": lambda c: (c.d_model, c.ffn_dim),
+    "w_down": lambda c: (c.ffn_dim, c.d_model),
+}
+_QKV_BIASES = {
+    "bq": lambda c: (c.n_heads * c.head_dim,),
+    "bk": lambda c: (c.n_kv_heads * c.head_dim,),
+    "bv": lambda c: (c.n_kv_heads * c.head_dim,),
+}
+_NORMS = ("attn_norm", "mlp_norm")
+
+
+class RopeFrequencies(nnx.Variable):
+  """Inverse RoPE frequencies [head_dim // 2]: derived from the config, not trained."""
+
+
+def rope_inverse_frequencies(config: ModelConfig, divisors: np.ndarray | None = None) -> np.ndarray:
+  """[head_dim // 2] float32, with Llama-3 scaling or llama.cpp's frequency divisors."""
+  hd = config.head_dim
+  inv = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+  if divisors is not None:
+    inv = inv / divisors.astype(np.float64)
+  elif config.rope_scaling is not None:
+    s = config.rope_scaling
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    mid = (1 - smooth) * inv / s.factor + smooth * inv
+    inv = np.where(
+        wavelen > low_wavelen, inv / s.factor, np.where(wavelen < high_wavelen, inv, mid)
+    )
+  return inv.astype(np.float32)
+
+
+def apply_rope(x: Float[Array, "B T H D"], positions: Int[Array, "B T"], inv_freq) -> Array:
+  """Half-rotation RoPE (the HF layout the loaders produce)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * weight).astype(x.dtype)
+
+
+class Llama(nnx.Module):
+  """Decoder: `model(tokens, positions, cache, num_new) -> (logits, cache)`, pure under jit."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    """Random weights (tests and benchmarks); use `Llama.from_params` for checkpoints."""
+    self.config = config
+    self.dtype = dtype
+    init = jax.nn.initializers.normal(0.02)
+    c = config
+    self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.d_model), dtype))
+    shapes = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if c.qkv_bias else {}))
+    self.layers = nnx.Dict(
+        {
+            name: nnx.Param(
+                jnp.ones((c.n_layers, *shape(c)), dtype)
+                if name in _NORMS
+                else init(rngs.params(), (c.n_layers, *shape(c)), dtype)
+            )
+            for name, shape in shapes.items()
+        }
+    )
+    self.final_norm = nnx.Param(jnp.ones((c.d_model,), dtype))
+    self.lm_head = (
+        None
+        if c.tie_embeddings
+        else nnx.Param(init(rngs.params(), (c.d_model, c.vocab_size), dtype))
+    )
+    self.inv_freq = RopeFrequencies(jnp.asarray(rope_inverse_frequencies(c)))
+
+  @classmethod
+  def from_params(
+      cls, config: ModelConfig, params: dict[str, np.ndarray], dtype=jnp.float32
+  ) -> "Llama":
+    """Builds the model from canonical loader params (`[out, in]` linear weights)."""
+    check_params(config, params, "params", optional=("rope_freqs",))
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
+    as_array = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    model.embed = nnx.Param(as_array(params["embed"]))
+    layer_names = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if config.qkv_bias else {}))
+    stacked = {}
+    for name in layer_names:
+      per_layer = [params[f"layers.{i}.{name}"] for i in range(config.n_layers)]
+      if per_layer[0].ndim == 2:  # [out, in] -> [in, out]
+        per_layer = [w.T for w in per_layer]
+      stacked[name] = nnx.Param(as_array(np.stack(per_layer)))
+    model.layers = nnx.Dict(stacked)
+    model.final_norm = nnx.Param(as_array(params["final_norm"]))
+    if not config.tie_embeddings:
+      model.lm_head = nnx.Param(as_array(params["lm_head"].T))
+    model.inv_freq = RopeFrequencies(
+        jnp.asarray(rope_inverse_frequencies(config, params.get("rope_freqs")))
+    )
+    return model
+
+  def __call__(
+      self,
+      tokens: Int[Array, "B T"],
+      positions: Int[Array, "B T"],
+      cache: PagedKVCache,
+      num_new: Int[Array, " B"] | None = None,
+      *,
+      logits_at: Int[Array, " B"] | None = None,
+  ) -> tuple[Array, PagedKVCache]:
+    """Runs T tokens per row through every layer, appending their K/V to the cache.
+
+    Row b contributes its first `num_new[b]` tokens (default T); the rest are padding that
+    is neither cached nor attended to. Returns logits [B, T, V], or [B, V] at the token
+    index `logits_at[b]` of each row (the last prompt token, say), and the updated cache.
+    """
+    c = self.config
+    b, t = tokens.shape
+    if positions.shape != (b, t):
+      raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
+    if cache.num_layers != c.n_layers or cache.num_kv_heads != c.n_kv_heads:
+      raise ValueError(
+          f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
+          f"needs {c.n_layers} x {c.n_kv_heads}"
+      )
+    num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
+    inv_freq = self.inv_freq.value
+    h = self.embed.value[tokens]  # [B, T, d]
+
+    def layer(carry, xs):
+      h, cache = carry
+      w, index = xs
+      x = rms_norm(h, w["attn_norm"], c.rms_eps)
+      q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+      if c.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+      q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, inv_freq)
+      k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, inv_freq)
+      v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+      cache = append_layer(cache, index, k, v, positions, num_new)
+      out, _ = paged_attention_reference(
+          q, cache.k_pages, cache.v_pages, cache.page_table[index], cache.length[index], num_new
+      )
+      h = h + out.reshape(b, t, -1).astype(h.dtype) @ w["wo"]
+      x = rms_norm(h, w["mlp_norm"], c.rms_eps)
+      h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+      return (h, cache), None
+
+    weights = {name: p.value for name, p in self.layers.items()}
+    (h, cache), _ = jax.lax.scan(layer, (h, cache), (weights, jnp.arange(c.n_layers)))
+    if logits_at is not None:
+      h = h[jnp.arange(b), logits_at]  # [B, d]
+    h = rms_norm(h, self.final_norm.value, c.rms_eps)
+    head = self.embed.value.T if self.lm_head is None else self.lm_head.value
+    return (h @ head).astype(jnp.float32), cache
+
+
+def load_llama(name_or_path: str = "smollm2-135m-instruct", dtype=jnp.float32):
+  """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir."""
+  from models.registry import load_model
+
+  config, params, tokenizer = load_model(name_or_path)
+  return Llama.from_params(config, params, dtype), tokenizer
