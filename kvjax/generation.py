@@ -250,7 +250,7 @@ def generate(
 
 
 def _dtype_name(model) -> str:
-  return jnp.dtype(model.embed.value.dtype).name
+  return jnp.dtype(model.embed[...].dtype).name
 
 
 class Generation:

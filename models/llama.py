@@ -147,21 +147,36 @@ class Llama(nnx.Module):
     is neither cached nor attended to. Returns logits [B, T, V], or [B, V] at the token
     index `logits_at[b]` of each row (the last prompt token, say), and the updated cache.
     """
+    b, t = tokens.shape
+    if cache.num_layers != self.config.n_layers or cache.num_kv_heads != self.config.n_kv_heads:
+      raise ValueError(
+          f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
+          f"needs {self.config.n_layers} x {self.config.n_kv_heads}"
+      )
+    num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
+
+    def attend(q, k, v, cache, layer):
+      cache = append_layer(cache, layer, k, v, positions, num_new)
+      out, _ = paged_attention_reference(
+          q, cache.k_pages, cache.v_pages, cache.page_table[layer], cache.length[layer], num_new
+      )
+      return out, cache
+
+    return self.run(tokens, positions, cache, attend, logits_at=logits_at)
+
+  def run(self, tokens, positions, kv_state, attend, *, logits_at=None):
+    """The decoder with a pluggable cache: `attend(q [B,T,H,D], k, v [B,T,K,D], kv_state,
+    layer) -> (out [B,T,H,D], kv_state)` stores K/V and attends. `__call__` plugs in the
+    paged cache; benchmarks plug in a dense one to measure the same model against it."""
     c = self.config
     b, t = tokens.shape
     if positions.shape != (b, t):
       raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
-    if cache.num_layers != c.n_layers or cache.num_kv_heads != c.n_kv_heads:
-      raise ValueError(
-          f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
-          f"needs {c.n_layers} x {c.n_kv_heads}"
-      )
-    num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
-    inv_freq = self.inv_freq.value
-    h = self.embed.value[tokens]  # [B, T, d]
+    inv_freq = self.inv_freq[...]
+    h = self.embed[...][tokens]  # [B, T, d]
 
     def layer(carry, xs):
-      h, cache = carry
+      h, kv_state = carry
       w, index = xs
       x = rms_norm(h, w["attn_norm"], c.rms_eps)
       q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
@@ -170,22 +185,19 @@ class Llama(nnx.Module):
       q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, inv_freq)
       k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, inv_freq)
       v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
-      cache = append_layer(cache, index, k, v, positions, num_new)
-      out, _ = paged_attention_reference(
-          q, cache.k_pages, cache.v_pages, cache.page_table[index], cache.length[index], num_new
-      )
+      out, kv_state = attend(q, k, v, kv_state, index)
       h = h + out.reshape(b, t, -1).astype(h.dtype) @ w["wo"]
       x = rms_norm(h, w["mlp_norm"], c.rms_eps)
       h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
-      return (h, cache), None
+      return (h, kv_state), None
 
-    weights = {name: p.value for name, p in self.layers.items()}
-    (h, cache), _ = jax.lax.scan(layer, (h, cache), (weights, jnp.arange(c.n_layers)))
+    weights = {name: p[...] for name, p in self.layers.items()}
+    (h, kv_state), _ = jax.lax.scan(layer, (h, kv_state), (weights, jnp.arange(c.n_layers)))
     if logits_at is not None:
       h = h[jnp.arange(b), logits_at]  # [B, d]
-    h = rms_norm(h, self.final_norm.value, c.rms_eps)
-    head = self.embed.value.T if self.lm_head is None else self.lm_head.value
-    return (h @ head).astype(jnp.float32), cache
+    h = rms_norm(h, self.final_norm[...], c.rms_eps)
+    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return (h @ head).astype(jnp.float32), kv_state
 
 
 def load_llama(name_or_path: str = "smollm2-135m-instruct", dtype=jnp.float32):

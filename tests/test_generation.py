@@ -1,0 +1,150 @@
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax import generation
+from models import ModelConfig, load_llama
+from models.llama import Llama
+
+
+class ByteTokenizer:
+  """Ids are bytes + 3: enough tokenizer for a random model."""
+
+  eos_ids = (2,)
+  chat_template = None
+
+  def encode(self, text):
+    return [b + 3 for b in text.encode()]
+
+  def decode(self, ids, skip_special_tokens=False):
+    return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
+
+
+def _tiny_model(max_context=128):
+  config = ModelConfig(vocab_size=259, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       head_dim=8, ffn_dim=64, max_context=max_context, name="tiny")
+  return Llama(config, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def smollm():
+  return load_llama()
+
+
+def test_paris_from_the_default_model(smollm):
+  result = kvjax.generate(*smollm, ["What is the capital of France?"], chat=True,
+                          max_new_tokens=16)
+  assert "Paris" in result.texts[0]
+  assert result.finish_reasons == ["stop"]
+  stats = result.stats
+  assert stats["generated_tokens"][0] == len(result.tokens[0]) <= 16
+  assert stats["peak_kv_bytes"] > 0 and stats["decode_tokens_per_s"] > 0
+
+
+def test_batched_ragged_prompts_match_each_prompt_alone(smollm):
+  prompts = ["Name three colors.", "The Eiffel Tower is in", "1, 2, 3, 4,"]
+  # A small chunk makes rows end their prompts in different prefill chunks.
+  batched = kvjax.generate(*smollm, prompts, max_new_tokens=10, prefill_chunk=4, page_size=8)
+  for row, prompt in enumerate(prompts):
+    alone = kvjax.generate(*smollm, [prompt], max_new_tokens=10, prefill_chunk=4, page_size=8)
+    assert alone.tokens[0] == batched.tokens[row], prompt
+
+
+def test_decode_compiles_once_for_a_whole_generation(monkeypatch):
+  model, tokenizer = _tiny_model(), ByteTokenizer()
+  traces = []
+  original = Llama.__call__
+
+  def counting_call(self, tokens, *args, **kwargs):
+    traces.append(tokens.shape)
+    return original(self, tokens, *args, **kwargs)
+
+  monkeypatch.setattr(Llama, "__call__", counting_call)
+  generation._COMPILED.clear()
+  result = kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20,
+                          prefill_chunk=4, page_size=4)
+  assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1
+  # One trace for the prefill chunk shape, one for the whole decode loop.
+  assert traces == [(1, 4), (1, 1)]
+  kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4,
+                 page_size=4)
+  assert len(traces) == 2, "a second call with the same shapes must not retrace"
+
+
+def test_sampling_is_reproducible_and_respects_top_k():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
+  key = jax.random.key(3)
+  draws = generation.sample(logits, key, 1.0, 2, 1.0)
+  assert set(np.asarray(draws).tolist()) == {0, 1}
+  np.testing.assert_array_equal(draws, generation.sample(logits, key, 1.0, 2, 1.0))
+  top_p = generation.sample(logits, key, 1.0, 0, 0.7)  # 0.5 + 0.3 reach 0.7
+  assert set(np.asarray(top_p).tolist()) == {0, 1}
+  np.testing.assert_array_equal(generation.sample(logits, key, 0.0, 0, 1.0), 0)
+  full = np.bincount(np.asarray(generation.sample(logits, key, 1.0, 0, 1.0)), minlength=4)
+  assert full[3] > 0 and full[0] > full[1] > full[2]
+
+
+def test_streaming_yields_the_same_tokens():
+  model, tokenizer = _tiny_model(), ByteTokenizer()
+  stream = kvjax.generate(model, tokenizer, ["abc", "hello"], max_new_tokens=6, stream=True)
+  events = list(stream)
+  whole = kvjax.generate(model, tokenizer, ["abc", "hello"], max_new_tokens=6)
+  for row in range(2):
+    assert [e.token for e in events if e.row == row] == whole.tokens[row]
+  assert stream.result.tokens == whole.tokens
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        (["  "], {}, r"prompts\[0\] is empty"),
+        ([[]], {}, r"prompts\[0\] is an empty token list"),
+        ("just a string", {}, "prompts must be a non-empty list"),
+        ([], {}, "prompts must be a non-empty list"),
+        (["x" * 200], {}, "prompt of 200 tokens is longer than the model context 128"),
+        (["x" * 100], {"max_new_tokens": 40}, r"exceeds the model context 128"),
+        (["abc"], {"budget": 8, "max_new_tokens": 10}, "policy 'full' keeps every token: budget=8"),
+        (["abc"], {"policy": "nope"}, "unknown policy 'nope'"),
+        (["abc"], {"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        (["abc"], {"temperature": -1.0}, "temperature must be >= 0"),
+        (["abc"], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        (["abc"], {"top_k": -1}, "top_k must be an int >= 0"),
+        ([[1, 999]], {}, r"token ids outside \[0, 259\)"),
+    ],
+)
+def test_bad_input_raises_clear_errors(prompts, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.generate(_tiny_model(), ByteTokenizer(), prompts, **kwargs)
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "kvjax.cli", *args], capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_cli_generate_json_answers_paris():
+  run = _cli("generate", "What is the capital of France?", "--max-new-tokens", "16", "--json")
+  assert run.returncode == 0, run.stderr
+  out = json.loads(run.stdout)
+  assert "Paris" in out["text"] and out["tokens"] and out["stats"]["prompt_tokens"] == [37]
+  assert "loaded smollm2-135m-instruct" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model path not found"),
+        (["generate", ""], "prompts[0] is empty"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, message):
+  run = _cli(*args)
+  assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
