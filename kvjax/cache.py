@@ -6,6 +6,8 @@ Layout (one logical sequence per layer x batch row x kv head, all sharing one po
   position          [P, S] int32  original token position per slot, -1 when empty
   score             [P, S] f32    the eviction policy's running score per slot
   protected         [P, S] bool   caller-marked tokens that are never evicted
+  segment           [P, S] int32  caller-marked segment id (0 = none), for fair eviction
+  info              [P, S] f32    per-token information score some policies record
   page_table        [L, B, H, M]  logical page -> physical page; 0 (null) when unused
   length            [L, B, H]     live tokens per sequence
   free_pages        [P]           stack of free physical pages; the first num_free are free
@@ -32,6 +34,17 @@ from kvjax.config import CacheConfig
 NULL_PAGE = 0
 
 
+# Per-slot metadata arrays ([P, S]) and their value in an empty slot. Eviction moves and
+# clears them together with K/V.
+SLOT_METADATA = (
+    ("position", -1),
+    ("score", 0.0),
+    ("protected", False),
+    ("segment", 0),
+    ("info", 0.0),
+)
+
+
 class Status(enum.IntFlag):
   """Flags set inside jit; `check_status` turns them into host errors."""
 
@@ -52,6 +65,8 @@ class PagedKVCache:
   position: Int[Array, "P S"]
   score: Float[Array, "P S"]
   protected: Bool[Array, "P S"]
+  segment: Int[Array, "P S"]
+  info: Float[Array, "P S"]
   page_table: Int[Array, "L B H M"]
   length: Int[Array, "L B H"]
   free_pages: Int[Array, " P"]
@@ -135,6 +150,8 @@ def init_cache(
       position=jnp.full((num_pages, ps), -1, jnp.int32),
       score=jnp.zeros((num_pages, ps), jnp.float32),
       protected=jnp.zeros((num_pages, ps), bool),
+      segment=jnp.zeros((num_pages, ps), jnp.int32),
+      info=jnp.zeros((num_pages, ps), jnp.float32),
       page_table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
       length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
       # Pop order hands out low page ids first: stack top is at num_free - 1.
@@ -179,28 +196,28 @@ def append_layer(
     positions: Int[Array, "B T"],
     num_new: Int[Array, " B"] | None = None,
     protected: Bool[Array, "B T"] | None = None,
+    segment: Int[Array, "B T"] | None = None,
 ) -> PagedKVCache:
   """Appends the first `num_new[b]` of T tokens of row b to every kv head of one layer.
+
+  `protected` marks tokens no eviction may remove; `segment` tags tokens with a segment id
+  (> 0) so that fair eviction can take the same fraction from each segment.
 
   Pages are allocated from the shared pool inside jit. If the pool is exhausted or a
   sequence would pass `max_tokens`, nothing is written for this layer and the cache's
   status records why (see `check_status`).
   """
-  _validate_append(cache, k, v, positions, num_new, protected, layer_axis=False)
+  _validate_append(cache, k, v, positions, num_new, protected, segment, layer_axis=False)
   b, t = positions.shape
   num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
   protected = jnp.zeros((b, t), bool) if protected is None else protected
+  segment = jnp.zeros((b, t), jnp.int32) if segment is None else segment
   ps = cache.config.page_size
   length = cache.length[layer]  # [B, H]
   new_length = length + num_new[:, None]
   table_BxHxM, num_free, fits = _allocate(cache, layer, new_length)
 
-  slot = length[:, None, :] + jnp.arange(t)[None, :, None]  # [B, T, H]
-  live = (jnp.arange(t)[None, :] < num_new[:, None])[..., None] & fits  # [B, T, H]
-  logical_page = jnp.clip(slot // ps, 0, table_BxHxM.shape[-1] - 1)
-  page = jnp.take_along_axis(table_BxHxM, logical_page.transpose(0, 2, 1), axis=-1)
-  page = jnp.where(live, page.transpose(0, 2, 1), cache.num_pages)  # OOB -> dropped
-  offset = slot % ps
+  page, offset = token_coordinates(table_BxHxM, length, num_new * fits, t, ps, cache.num_pages)
   dtype = cache.k_pages.dtype
   per_token = lambda x: jnp.broadcast_to(x[..., None], page.shape)  # noqa: E731
   status = cache.status | jnp.where(
@@ -216,11 +233,31 @@ def append_layer(
       position=cache.position.at[page, offset].set(per_token(positions), mode="drop"),
       score=cache.score.at[page, offset].set(0.0, mode="drop"),
       protected=cache.protected.at[page, offset].set(per_token(protected), mode="drop"),
+      segment=cache.segment.at[page, offset].set(per_token(segment), mode="drop"),
+      info=cache.info.at[page, offset].set(0.0, mode="drop"),
       page_table=cache.page_table.at[layer].set(table_BxHxM),
       length=cache.length.at[layer].set(jnp.where(fits, new_length, length)),
       num_free=num_free,
       status=status.astype(jnp.int32),
   )
+
+
+def token_coordinates(
+    table_BxHxM: Int[Array, "B H M"],
+    first_slot: Int[Array, "B H"],
+    num_new: Int[Array, " B"],
+    t: int,
+    page_size: int,
+    num_pages: int,
+) -> tuple[Int[Array, "B T H"], Int[Array, "B T H"]]:
+  """Physical (page, offset) of the T tokens of each row that start at logical slot
+  `first_slot`. Tokens t >= num_new[b] get page `num_pages`, out of range, so that
+  scatters with mode="drop" skip them."""
+  slot = first_slot[:, None, :] + jnp.arange(t)[None, :, None]  # [B, T, H]
+  live = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
+  logical_page = jnp.clip(slot // page_size, 0, table_BxHxM.shape[-1] - 1)
+  page = jnp.take_along_axis(table_BxHxM, logical_page.transpose(0, 2, 1), axis=-1)
+  return jnp.where(live, page.transpose(0, 2, 1), num_pages), slot % page_size
 
 
 def append(
@@ -230,17 +267,18 @@ def append(
     positions: Int[Array, "B T"],
     num_new: Int[Array, " B"] | None = None,
     protected: Bool[Array, "B T"] | None = None,
+    segment: Int[Array, "B T"] | None = None,
 ) -> PagedKVCache:
   """Appends a chunk of T tokens (T = 1 for decode) to every layer, row and kv head."""
-  _validate_append(cache, k, v, positions, num_new, protected, layer_axis=True)
+  _validate_append(cache, k, v, positions, num_new, protected, segment, layer_axis=True)
 
   def body(layer, c):
-    return append_layer(c, layer, k[layer], v[layer], positions, num_new, protected)
+    return append_layer(c, layer, k[layer], v[layer], positions, num_new, protected, segment)
 
   return jax.lax.fori_loop(0, cache.num_layers, body, cache)
 
 
-def _validate_append(cache, k, v, positions, num_new, protected, *, layer_axis):
+def _validate_append(cache, k, v, positions, num_new, protected, segment, *, layer_axis):
   if not isinstance(cache, PagedKVCache):
     raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
   lead = (cache.num_layers,) if layer_axis else ()
@@ -266,6 +304,13 @@ def _validate_append(cache, k, v, positions, num_new, protected, *, layer_axis):
     raise ValueError(
         f"protected must be bool [B, T] = ({b}, {t}), got "
         f"{jnp.shape(protected)} {getattr(protected, 'dtype', None)}"
+    )
+  if segment is not None and (
+      jnp.shape(segment) != (b, t) or not jnp.issubdtype(segment.dtype, jnp.integer)
+  ):
+    raise ValueError(
+        f"segment must be integer [B, T] = ({b}, {t}), got "
+        f"{jnp.shape(segment)} {getattr(segment, 'dtype', None)}"
     )
 
 

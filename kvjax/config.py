@@ -11,6 +11,15 @@ _DTYPES = ("float32", "bfloat16", "float16")
 GROUP_REDUCTIONS = ("mean", "sum", "max")
 
 
+def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:
+  """Smallest budget eviction can always reach with the sink and recent tokens protected."""
+  if group_size == 1:
+    return max(1, sink + recent)
+  # Block eviction keeps every page that touches the sink or the recent window, plus the
+  # partially filled tail page.
+  return (math.ceil(sink / page_size) + math.ceil(recent / page_size) + 1) * page_size
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Static description of a paged KV cache.
@@ -108,12 +117,7 @@ class CacheConfig:
   @property
   def min_budget(self) -> int:
     """Smallest budget that eviction can always reach with sink and recent protected."""
-    if self.group_size == 1:
-      return max(1, self.sink + self.recent)
-    # Block eviction keeps every page that touches the sink or the recent window,
-    # plus the partially filled tail page.
-    ps = self.page_size
-    return (math.ceil(self.sink / ps) + math.ceil(self.recent / ps) + 1) * ps
+    return min_budget(self.page_size, self.sink, self.recent, self.group_size)
 
   @property
   def jnp_dtype(self):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, valid_mask
+from kvjax.cache import NULL_PAGE, SLOT_METADATA, PagedKVCache, Status, logical_view, valid_mask
 from kvjax.scores import group_importance
 
 
@@ -33,6 +33,7 @@ def evict(
     cache: PagedKVCache,
     scores: Float[Array, "L B H N"] | None = None,
     budget: int | Int[Array, "..."] | None = None,
+    threshold: int | Int[Array, "..."] | None = None,
 ) -> PagedKVCache:
   """Evicts the lowest-importance groups of every sequence longer than the threshold.
 
@@ -41,8 +42,9 @@ def evict(
     scores: per-slot scores in logical order [L, B, H, N] (N = max_tokens); defaults
       to the policy history held in `cache.score`. Higher = more important.
     budget: tokens to keep, broadcastable to [L, B, H] (per-layer or per-head
-      budgets); defaults to config.budget. Sequences evict once they pass
-      `threshold + (budget - config.budget)`.
+      budgets); defaults to config.budget.
+    threshold: evict sequences longer than this, broadcastable to [L, B, H]; defaults to
+      `budget + (config.threshold - config.budget)`.
   """
   cfg = cache.config
   if not cfg.evicts:
@@ -57,7 +59,8 @@ def evict(
   budget = jnp.broadcast_to(
       jnp.asarray(cfg.budget if budget is None else budget, jnp.int32), cache.length.shape
   )
-  threshold = budget + (cfg.threshold - cfg.budget)
+  if threshold is None:
+    threshold = budget + (cfg.threshold - cfg.budget)
   needs = cache.length > threshold  # [L, B, H]
 
   def run(cache):
@@ -96,9 +99,10 @@ def _free(cache: PagedKVCache, freed: Bool[Array, "L B H M"]) -> PagedKVCache:
       free_pages=cache.free_pages.at[dest].set(pages, mode="drop"),
       num_free=cache.num_free + flag.sum(),
       # Freed pages carry no metadata into their next owner.
-      position=cache.position.at[drop].set(-1, mode="drop"),
-      score=cache.score.at[drop].set(0.0, mode="drop"),
-      protected=cache.protected.at[drop].set(False, mode="drop"),
+      **{
+          name: getattr(cache, name).at[drop].set(empty, mode="drop")
+          for name, empty in SLOT_METADATA
+      },
   )
 
 
@@ -140,9 +144,7 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
   cache = cache.replace(
       k_pages=move(cache.k_pages),
       v_pages=move(cache.v_pages),
-      position=clear(move(cache.position), -1),
-      score=clear(move(cache.score), 0.0),
-      protected=clear(move(cache.protected), False),
+      **{name: clear(move(getattr(cache, name)), empty) for name, empty in SLOT_METADATA},
   )
   held = -(-cache.length // ps)
   kept_pages = -(-new_length // ps)

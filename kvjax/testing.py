@@ -35,3 +35,4 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   )
   assert (np.asarray(cache.position)[free] == -1).all(), "a free page keeps token positions"
   assert not np.asarray(cache.protected)[free].any(), "a free page keeps protection flags"
+  assert not np.asarray(cache.segment)[free].any(), "a free page keeps segment ids"

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import PagedKVCache, append_layer
 from models.config import ModelConfig, check_params
@@ -140,13 +140,20 @@ class Llama(nnx.Module):
       num_new: Int[Array, " B"] | None = None,
       *,
       logits_at: Int[Array, " B"] | None = None,
+      policy=None,
+      protected: Bool[Array, "B T"] | None = None,
+      segment: Int[Array, "B T"] | None = None,
   ) -> tuple[Array, PagedKVCache]:
     """Runs T tokens per row through every layer, appending their K/V to the cache.
 
     Row b contributes its first `num_new[b]` tokens (default T); the rest are padding that
     is neither cached nor attended to. Returns logits [B, T, V], or [B, V] at the token
     index `logits_at[b]` of each row (the last prompt token, say), and the updated cache.
+    A `kvjax.policies.Policy` observes each layer's attention (and, if it asks, hidden
+    states and logits) to update its scores; `protected`/`segment` mark the new tokens.
     """
+    from kvjax.policies import AttentionStats  # kvjax imports this module
+
     b, t = tokens.shape
     if cache.num_layers != self.config.n_layers or cache.num_kv_heads != self.config.n_kv_heads:
       raise ValueError(
@@ -154,20 +161,50 @@ class Llama(nnx.Module):
           f"needs {self.config.n_layers} x {self.config.n_kv_heads}"
       )
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
+    per_head = policy is not None and policy.needs_head_probs
 
     def attend(q, k, v, cache, layer):
-      cache = append_layer(cache, layer, k, v, positions, num_new)
-      out, _ = paged_attention_reference(
-          q, cache.k_pages, cache.v_pages, cache.page_table[layer], cache.length[layer], num_new
+      cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
+      out, probs = paged_attention_reference(
+          q,
+          cache.k_pages,
+          cache.v_pages,
+          cache.page_table[layer],
+          cache.length[layer],
+          num_new,
+          per_query_head=per_head,
       )
+      if policy is not None:
+        head_probs = probs if per_head else None
+        if per_head:  # [B, Hq, T, N] -> summed per kv head
+          probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
+        stats = AttentionStats(layer, q, out, probs, head_probs, num_new)
+        cache = policy.observe(cache, stats)
       return out, cache
 
-    return self.run(tokens, positions, cache, attend, logits_at=logits_at)
+    after_layer = None
+    if policy is not None:
+      after_layer = lambda c, l, h_in, h_out: policy.observe_layer(c, l, h_in, h_out, num_new)  # noqa: E731
+    full_logits = policy is not None and policy.needs_logits
+    logits, cache = self.run(
+        tokens,
+        positions,
+        cache,
+        attend,
+        after_layer=after_layer,
+        logits_at=None if full_logits else logits_at,
+    )
+    if full_logits:
+      cache = policy.observe_logits(cache, logits, num_new)
+      if logits_at is not None:
+        logits = logits[jnp.arange(b), logits_at]
+    return logits, cache
 
-  def run(self, tokens, positions, kv_state, attend, *, logits_at=None):
+  def run(self, tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None):
     """The decoder with a pluggable cache: `attend(q [B,T,H,D], k, v [B,T,K,D], kv_state,
-    layer) -> (out [B,T,H,D], kv_state)` stores K/V and attends. `__call__` plugs in the
-    paged cache; benchmarks plug in a dense one to measure the same model against it."""
+    layer) -> (out [B,T,H,D], kv_state)` stores K/V and attends; `after_layer(kv_state,
+    layer, h_in, h_out)` may record per-token signals. `__call__` plugs in the paged cache;
+    benchmarks plug in a dense one to measure the same model against it."""
     c = self.config
     b, t = tokens.shape
     if positions.shape != (b, t):
@@ -178,6 +215,7 @@ class Llama(nnx.Module):
     def layer(carry, xs):
       h, kv_state = carry
       w, index = xs
+      h_in = h
       x = rms_norm(h, w["attn_norm"], c.rms_eps)
       q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
       if c.qkv_bias:
@@ -189,6 +227,8 @@ class Llama(nnx.Module):
       h = h + out.reshape(b, t, -1).astype(h.dtype) @ w["wo"]
       x = rms_norm(h, w["mlp_norm"], c.rms_eps)
       h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+      if after_layer is not None:
+        kv_state = after_layer(kv_state, index, h_in, h)
       return (h, kv_state), None
 
     weights = {name: p[...] for name, p in self.layers.items()}

@@ -67,11 +67,13 @@ def paged_attention_reference(
     num_queries: Int[Array, " B"] | None = None,
     *,
     scale: float | None = None,
+    per_query_head: bool = False,
 ) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B Hkv T N"]]:
   """Causal GQA attention of T queries over paged sequences (N = M * S slots).
 
   Returns the output and the attention probabilities per kv head, summed over the
-  query heads that share it (zero for masked slots and padding queries).
+  query heads that share it (zero for masked slots and padding queries); with
+  `per_query_head`, the probabilities of each query head instead: [B, Hq, T, N].
   """
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   b, t, hq, d = q.shape
@@ -96,4 +98,7 @@ def paged_attention_reference(
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)
   out = jnp.einsum("bkqn,bknd->bkqd", probs, v_BxKxNxD)
   out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-  return out.astype(q.dtype), probs.reshape(b, hkv, t, g, n).sum(axis=3)
+  probs = probs.reshape(b, hkv, t, g, n)
+  if per_query_head:
+    return out.astype(q.dtype), probs.transpose(0, 1, 3, 2, 4).reshape(b, hq, t, n)
+  return out.astype(q.dtype), probs.sum(axis=3)

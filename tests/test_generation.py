@@ -105,7 +105,7 @@ def test_streaming_yields_the_same_tokens():
     "prompts, kwargs, match",
     [
         (["  "], {}, r"prompts\[0\] is empty"),
-        ([[]], {}, r"prompts\[0\] is an empty token list"),
+        ([[]], {}, r"prompts\[0\] is empty"),
         ("just a string", {}, "prompts must be a non-empty list"),
         ([], {}, "prompts must be a non-empty list"),
         (["x" * 200], {}, "prompt of 200 tokens is longer than the model context 128"),

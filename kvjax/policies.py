@@ -1,0 +1,381 @@
+"""Eviction policies: what each token's score is, and how budgets are spread.
+
+A policy is a frozen dataclass (hashable, so jitted code specialises on it) with up to four
+hooks, all pure functions of the cache:
+
+  observe(cache, stats)        after each layer's attention: update the score history
+  observe_layer(cache, ...)    after each layer: per-token signals from hidden states
+  observe_logits(cache, ...)   after the model's head: per-token signals from logits
+  scores(cache, key)           at an eviction event: per-slot scores [L, B, H, N], higher = keep
+
+A new score is a subclass overriding one or two hooks (see `docs/policies.md`); register it
+with `register` to select it by name in `generate` and the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from kvjax import scores as S
+from kvjax.cache import PagedKVCache, logical_view, token_coordinates, valid_mask
+from kvjax.eviction import evict, protection_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStats:
+  """What one layer's attention saw, for `Policy.observe` (N = cache.config.max_tokens)."""
+
+  layer: Int[Array, ""]
+  q: Float[Array, "B T Hq D"]
+  out: Float[Array, "B T Hq D"]
+  probs: Float[Array, "B Hkv T N"]  # summed over the query heads of each kv head
+  head_probs: Float[Array, "B Hq T N"] | None  # only when the policy asks for it
+  num_new: Int[Array, " B"]
+
+
+def read_layer(cache: PagedKVCache, x: Array, layer) -> Array:
+  """A per-slot array ([P, S]) of one layer in logical order: [B, H, N]."""
+  return logical_view(cache, x, layer)
+
+
+def write_layer(cache: PagedKVCache, x: Array, layer, values: Float[Array, "B H N"]) -> Array:
+  """Writes logical-order values of one layer's live slots back into a per-slot array."""
+  ps = cache.config.page_size
+  pages = jnp.repeat(cache.page_table[layer], ps, axis=-1)  # [B, H, N]
+  pages = jnp.where(valid_mask(cache, layer), pages, cache.num_pages)
+  offsets = jnp.arange(cache.config.max_tokens) % ps
+  return x.at[pages, offsets].set(values.astype(x.dtype), mode="drop")
+
+
+def write_new_tokens(
+    cache: PagedKVCache, x: Array, layer, values: Float[Array, "B T"], num_new, *, add=False
+):
+  """Sets (or adds to) per-token values of the tokens just appended to one layer: the last
+  num_new[b] tokens of every kv head of row b."""
+  b, t = values.shape
+  page, offset = token_coordinates(
+      cache.page_table[layer],
+      cache.length[layer] - num_new[:, None],
+      num_new,
+      t,
+      cache.config.page_size,
+      cache.num_pages,
+  )
+  values = jnp.broadcast_to(values[..., None], page.shape)
+  at = x.at[page, offset]
+  return at.add(values, mode="drop") if add else at.set(values, mode="drop")
+
+
+def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
+  """Scales each sequence's live scores into [0, 1] by its max (scores are >= 0)."""
+  top = jnp.max(jnp.where(valid, x, 0.0), axis=-1, keepdims=True)
+  return x / jnp.maximum(top, 1e-12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Base policy: keeps the score history in `cache.score` unchanged (no observation)."""
+
+  name: ClassVar[str] = "base"
+  token_level: ClassVar[bool] = True  # default eviction granularity: tokens, else pages
+  needs_head_probs: ClassVar[bool] = False
+  needs_logits: ClassVar[bool] = False  # observe_logits needs logits of every token
+
+  def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
+    return cache
+
+  def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new) -> PagedKVCache:
+    return cache
+
+  def observe_logits(self, cache, logits, num_new) -> PagedKVCache:
+    return cache
+
+  def scores(self, cache: PagedKVCache, key) -> Float[Array, "L B H N"]:
+    return logical_view(cache, cache.score)
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(Policy):
+  """Keeps every token (no budget)."""
+
+  name: ClassVar[str] = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming(Policy):
+  """StreamingLLM: the sink tokens plus the most recent window."""
+
+  name: ClassVar[str] = "streaming"
+
+  def scores(self, cache, key):
+    return jnp.broadcast_to(
+        jnp.arange(cache.config.max_tokens, dtype=jnp.float32),
+        (*cache.length.shape, cache.config.max_tokens),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionHistory(Policy):
+  """Accumulated attention (H2O heavy hitters): s_i <- decay * s_i + sum_queries a_i."""
+
+  name: ClassVar[str] = "h2o"
+  decay: float = 1.0
+
+  def observe(self, cache, stats):
+    history = read_layer(cache, cache.score, stats.layer)
+    updated = S.accumulate_history(history, stats.probs.sum(axis=2), self.decay)
+    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupHistory(AttentionHistory):
+  """Attention history aggregated into page-group importance; lowest pages leave."""
+
+  name: ClassVar[str] = "group_history"
+  token_level: ClassVar[bool] = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Tova(Policy):
+  """TOVA: the attention of the most recent query only."""
+
+  name: ClassVar[str] = "tova"
+
+  def observe(self, cache, stats):
+    b = stats.probs.shape[0]
+    last = jnp.maximum(stats.num_new - 1, 0)
+    latest = stats.probs[jnp.arange(b), :, last]  # [B, Hkv, N]
+    current = read_layer(cache, cache.score, stats.layer)
+    latest = jnp.where((stats.num_new > 0)[:, None, None], latest, current)
+    return cache.replace(score=write_layer(cache, cache.score, stats.layer, latest))
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Policy):
+  """SnapKV: attention of an observation window (the last `window` queries of the chunk),
+  max-pooled over `kernel` neighbouring tokens. During decode the window is the newest
+  query. The scores are replaced, not accumulated."""
+
+  name: ClassVar[str] = "snapkv"
+  window: int = 32
+  kernel: int = 7
+
+  def observe(self, cache, stats):
+    t = stats.probs.shape[2]
+    q_idx = jnp.arange(t)
+    in_window = (q_idx < stats.num_new[:, None]) & (q_idx >= stats.num_new[:, None] - self.window)
+    votes = jnp.einsum("bkqn,bq->bkn", stats.probs, in_window.astype(jnp.float32))
+    pooled = jax.lax.reduce_window(
+        votes, -jnp.inf, jax.lax.max, (1, 1, self.kernel), (1, 1, 1), "SAME"
+    )
+    current = read_layer(cache, cache.score, stats.layer)
+    pooled = jnp.where((stats.num_new > 0)[:, None, None], pooled, current)
+    return cache.replace(score=write_layer(cache, cache.score, stats.layer, pooled))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNorm(Policy):
+  """Keeps the tokens with the smallest key L2 norm (low-norm keys draw attention)."""
+
+  name: ClassVar[str] = "knorm"
+
+  def scores(self, cache, key):
+    return -jnp.linalg.norm(logical_view(cache, cache.k_pages).astype(jnp.float32), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Random(Policy):
+  """Uniformly random scores at every eviction event (a floor for the others)."""
+
+  name: ClassVar[str] = "random"
+
+  def scores(self, cache, key):
+    return jax.random.uniform(key, (*cache.length.shape, cache.config.max_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputImpact(Policy):
+  """Accumulated exact output impact r_i = a_i/(1-a_i) ||v_i - O|| (summed over the query
+  heads of a kv head) of the last `window` queries of each chunk (every decode query)."""
+
+  name: ClassVar[str] = "output_impact"
+  needs_head_probs: ClassVar[bool] = True
+  window: int = 8
+  decay: float = 1.0
+
+  def observe(self, cache, stats):
+    b, t, hq, d = stats.q.shape
+    hkv = cache.num_kv_heads
+    w = min(self.window, t)
+    # The last w query indices of each row (clamped at 0 for rows with fewer tokens).
+    q_idx = jnp.maximum(stats.num_new[:, None] - w + jnp.arange(w), 0)  # [B, W]
+    live_q = (jnp.arange(w) >= w - stats.num_new[:, None]).astype(jnp.float32)  # [B, W]
+    probs = jnp.take_along_axis(stats.head_probs, q_idx[:, None, :, None], axis=2)  # [B,Hq,W,N]
+    out = jnp.take_along_axis(stats.out, q_idx[:, :, None, None], axis=1)  # [B, W, Hq, D]
+    values = read_layer(cache, cache.v_pages, stats.layer)  # [B, Hkv, N, D]
+    values = jnp.repeat(values, hq // hkv, axis=1)[:, :, None]  # [B, Hq, 1, N, D]
+    impact = S.output_impact(probs, values, out.transpose(0, 2, 1, 3))  # [B, Hq, W, N]
+    impact = jnp.einsum("bhwn,bw->bhn", impact, live_q)
+    impact = impact.reshape(b, hkv, hq // hkv, -1).sum(axis=2)
+    history = read_layer(cache, cache.score, stats.layer)
+    updated = S.accumulate_history(history, impact, self.decay)
+    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoAware(AttentionHistory):
+  """alpha * norm(attention history) + (1 - alpha) * norm(info), where a token's info is
+  the mean of its normalised predictive entropy (H / log V) and its layer-wise hidden-state
+  change (1 - cos(h^l, h^(l-1))) / 2."""
+
+  name: ClassVar[str] = "info_aware"
+  needs_logits: ClassVar[bool] = True
+  alpha: float = 0.9
+
+  def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new):
+    change = S.layer_change(hidden_out, hidden_in) / 2.0  # [B, T]
+    return cache.replace(info=write_new_tokens(cache, cache.info, layer, 0.5 * change, num_new))
+
+  def observe_logits(self, cache, logits, num_new):
+    entropy = S.predictive_entropy(logits) / math.log(logits.shape[-1])  # [B, T]
+
+    def add(layer, info):
+      return write_new_tokens(cache, info, layer, 0.5 * entropy, num_new, add=True)
+
+    return cache.replace(info=jax.lax.fori_loop(0, cache.num_layers, add, cache.info))
+
+  def scores(self, cache, key):
+    valid = valid_mask(cache)
+    attention = _normalise(logical_view(cache, cache.score), valid)
+    info = _normalise(logical_view(cache, cache.info), valid)
+    return self.alpha * attention + (1.0 - self.alpha) * info
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  """Makes a policy class selectable by its `name` (usable as a decorator)."""
+  POLICIES[cls.name] = cls
+  return cls
+
+
+for _cls in (
+    Full,
+    Streaming,
+    AttentionHistory,
+    GroupHistory,
+    Tova,
+    SnapKV,
+    KeyNorm,
+    Random,
+    OutputImpact,
+    InfoAware,
+):
+  register(_cls)
+
+
+def get_policy(policy: str | Policy) -> Policy:
+  if isinstance(policy, Policy):
+    return policy
+  if policy not in POLICIES:
+    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+  return POLICIES[policy]()
+
+
+# ---- budgets -------------------------------------------------------------------------------
+
+BUDGET_SCHEDULES = ("uniform", "pyramid")
+
+
+def layer_budgets(
+    budget: int, num_layers: int, schedule: str, group: int, floor: int
+) -> np.ndarray:
+  """Per-layer token budgets averaging `budget`: uniform, or pyramid (PyramidKV: lower
+  layers keep more, linearly from 1.5x to 0.5x), multiples of `group`, at least `floor`."""
+  if schedule not in BUDGET_SCHEDULES:
+    raise ValueError(f"budget schedule must be one of {BUDGET_SCHEDULES}, got {schedule!r}")
+  if schedule == "uniform" or num_layers == 1:
+    return np.full((num_layers,), budget, np.int32)
+  shape = np.linspace(1.5, 0.5, num_layers)
+  raw = np.maximum(budget * shape, floor)
+  raw *= budget * num_layers / raw.sum()  # keep the mean after the floor lifted some layers
+  return np.maximum(np.round(raw / group) * group, floor).astype(np.int32)
+
+
+def per_head_budgets(
+    scores: Float[Array, "L B H N"], protected, valid, layer_budget: Int[Array, " L"]
+) -> Int[Array, "L B H"]:
+  """Splits each layer's H x budget tokens over its kv heads by a global top-k of the
+  scores across the heads (protected tokens are always counted in)."""
+  l, b, h, n = scores.shape
+  ranked = jnp.where(protected & valid, jnp.inf, jnp.where(valid, scores, -jnp.inf))
+  flat = jnp.sort(ranked.reshape(l, b, h * n), axis=-1)[..., ::-1]  # descending
+  k = jnp.clip(layer_budget * h, 1, h * n)[:, None, None]  # [L, 1, 1]
+  cutoff = jnp.take_along_axis(flat, k - 1, axis=-1)  # [L, B, 1]
+  kept = (ranked >= cutoff[..., None]) & valid
+  return kept.sum(-1).astype(jnp.int32)
+
+
+def fair_scores(scores: Float[Array, "L B H N"], segment, valid) -> Float[Array, "L B H N"]:
+  """Replaces scores by their quantile within the token's segment, so that evicting the
+  lowest takes the same fraction of every segment (segment 0 is the unmarked rest)."""
+  n = scores.shape[-1]
+  empty = jnp.iinfo(jnp.int32).max  # empty slots form their own, last, segment
+  seg = jnp.where(valid, segment, empty)
+  by_score = jnp.argsort(scores, axis=-1, stable=True)
+  by_segment = jnp.argsort(jnp.take_along_axis(seg, by_score, -1), axis=-1, stable=True)
+  order = jnp.take_along_axis(by_score, by_segment, -1)  # slots sorted by (segment, score)
+  run = jnp.take_along_axis(seg, order, -1)
+  pos = jnp.broadcast_to(jnp.arange(n), run.shape)
+  first = jnp.concatenate([jnp.ones_like(run[..., :1], bool), run[..., 1:] != run[..., :-1]], -1)
+  last = jnp.concatenate([run[..., 1:] != run[..., :-1], jnp.ones_like(run[..., :1], bool)], -1)
+  start = jax.lax.cummax(jnp.where(first, pos, 0), axis=run.ndim - 1)
+  end = jax.lax.cummin(jnp.where(last, pos, n), axis=run.ndim - 1, reverse=True)
+  quantile = (pos - start + 1).astype(jnp.float32) / (end - start + 1).astype(jnp.float32)
+  return jnp.take_along_axis(quantile, jnp.argsort(order, axis=-1), -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPlan:
+  """How a cache is kept within budget: the policy, per-layer budgets, per-head split and
+  fair eviction over marked segments. Static (hashable) so jitted steps specialise on it."""
+
+  policy: Policy
+  layer_budget: tuple[int, ...]
+  per_head: bool = False
+  fair: bool = False
+
+  def apply(self, cache: PagedKVCache, key) -> PagedKVCache:
+    """Evicts where a sequence (or, per head, a layer) passed its threshold."""
+    cfg = cache.config
+    if not cfg.evicts:
+      return cache
+    budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
+    margin = cfg.threshold - cfg.budget
+    if self.per_head:
+      h = cache.num_kv_heads
+      needs = cache.length.sum(-1) > h * (budget[:, None] + margin)  # [L, B]
+    else:
+      needs = cache.length > budget[:, None, None] + margin
+
+    def run(cache):
+      scores = self.policy.scores(cache, key)
+      valid = valid_mask(cache)
+      if self.fair:
+        scores = fair_scores(scores, logical_view(cache, cache.segment), valid)
+      if not self.per_head:
+        return evict(cache, scores=scores, budget=budget[:, None, None])
+      head_budget = per_head_budgets(scores, protection_mask(cache), valid, budget)
+      # Evict every head of a triggered layer to its share; leave the others alone.
+      limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
+      return evict(cache, scores=scores, budget=limit, threshold=limit)
+
+    return jax.lax.cond(needs.any(), run, lambda c: c, cache)
