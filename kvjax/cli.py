@@ -95,6 +95,10 @@ def _generate(args) -> int:
       max_new_tokens=args.max_new_tokens,
       policy=args.policy,
       budget=args.budget,
+      sink=args.sink,
+      recent=args.recent,
+      budget_schedule=args.budget_schedule,
+      per_head=args.per_head,
       chat=args.chat,
       temperature=args.temperature,
       top_k=args.top_k,
@@ -129,6 +133,23 @@ def _generate(args) -> int:
   return 0
 
 
+def _policy_names():
+  from kvjax.policies import POLICIES
+
+  return list(POLICIES)
+
+
+def _budget(text: str) -> int | float:
+  """'512' -> 512 tokens; '0.25' -> a quarter of the prompt."""
+  try:
+    return int(text)
+  except ValueError:
+    try:
+      return float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"budget must be tokens or a fraction, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description="KV-cache compression for JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -139,8 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
       default="smollm2-135m-instruct",
       help="registry name, .gguf file or local HF checkpoint directory",
   )
-  gen.add_argument("--policy", default="full", help="cache policy")
-  gen.add_argument("--budget", type=int, default=None, help="KV tokens kept per sequence")
+  gen.add_argument("--policy", default="full", help=f"cache policy: {', '.join(_policy_names())}")
+  gen.add_argument(
+      "--budget",
+      type=_budget,
+      default=None,
+      help="KV tokens kept per sequence, or a fraction of the prompt like 0.25",
+  )
+  gen.add_argument("--sink", type=int, default=4, help="first tokens never evicted")
+  gen.add_argument(
+      "--recent", type=int, default=None, help="last tokens never evicted " "(default budget // 4)"
+  )
+  gen.add_argument("--budget-schedule", choices=("uniform", "pyramid"), default="uniform")
+  gen.add_argument(
+      "--per-head",
+      action="store_true",
+      help="split each layer's budget across kv heads by global top-k",
+  )
   gen.add_argument("--max-new-tokens", type=int, default=64)
   gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   gen.add_argument("--top-k", type=int, default=0, help="0 = off")

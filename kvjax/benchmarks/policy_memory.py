@@ -1,0 +1,75 @@
+"""KV memory of every policy on a long prompt: peak within budget + one page + one chunk?
+
+    python -m kvjax.benchmarks.policy_memory [--prompt-tokens 2048] [--budget 0.25]
+
+Runs `kvjax.generate` on the default model with a prompt of real text (jargon-text, or
+`--text FILE`) for every policy at the budget, then the budget variants (pyramid per-layer,
+per-head) beside a uniform budget equal to the pyramid's largest layer budget: the memory a
+masked cache, sized for its largest layer, would hold. Prints peak and final KV bytes and
+pages, and whether each peak is within the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import kvjax
+from kvjax.benchmarks.quality import read_text
+from kvjax.policies import POLICIES
+
+
+def main(argv=None):
+  import models
+
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--prompt-tokens", type=int, default=2048)
+  parser.add_argument("--budget", type=float, default=0.25)
+  parser.add_argument("--prefill-chunk", type=int, default=256)
+  parser.add_argument("--max-new-tokens", type=int, default=8)
+  parser.add_argument("--text", default=None)
+  args = parser.parse_args(argv)
+  model, tokenizer = models.load_llama()
+  c = model.config
+  ids = tokenizer.encode(read_text(args.text))[: args.prompt_tokens]
+  budget = int(args.budget * len(ids))
+  page = 16
+  token_bytes = 2 * c.head_dim * 4
+  sequences = c.n_layers * c.n_kv_heads
+
+  def bound(b):  # budget + one page (eviction margin) + one chunk, in whole pages
+    return sequences * -(-(b + page + args.prefill_chunk) // page) * page * token_bytes
+
+  runs = [(name, {}) for name in POLICIES] + [
+      ("h2o", {"budget_schedule": "pyramid"}),
+      ("h2o", {"per_head": True}),
+  ]
+  print(f"prompt {len(ids)} tokens, budget {budget} tokens/sequence "
+        f"({args.budget:.0%}), chunk {args.prefill_chunk}, {sequences} sequences")
+  print("| policy | variant | peak KV MiB | bound MiB | within | final KV MiB | final pages |")
+  print("|---|---|---:|---:|---|---:|---:|")
+  for name, options in runs:
+    kwargs = {} if name == "full" else {"budget": budget}
+    result = kvjax.generate(model, tokenizer, [ids], policy=name, max_new_tokens=args.max_new_tokens,
+                            prefill_chunk=args.prefill_chunk, page_size=page, **kwargs, **options)
+    stats = result.stats
+    variant = ", ".join(f"{k}={v}" for k, v in options.items()) or "uniform"
+    budgets = stats["layer_budgets"]
+    limit = None if budgets is None else bound(max(budgets) if options else budget)
+    within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")
+    print(f"| {name} | {variant} | {stats['peak_kv_bytes'] / 2**20:.2f} | "
+          f"{'-' if limit is None else f'{limit / 2**20:.2f}'} | {within} | "
+          f"{stats['final_kv_bytes'] / 2**20:.2f} | {stats['final_kv_bytes'] // (page * token_bytes)} |")
+    if options.get("budget_schedule") == "pyramid":
+      widest = max(budgets)
+      wide = kvjax.generate(model, tokenizer, [ids], policy=name,
+                            max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                            page_size=page, budget=widest)
+      s = wide.stats
+      print(f"| {name} | uniform at the pyramid's largest layer budget ({widest}) | "
+            f"{s['peak_kv_bytes'] / 2**20:.2f} | {bound(widest) / 2**20:.2f} | "
+            f"{'yes' if s['peak_kv_bytes'] <= bound(widest) else 'NO'} | "
+            f"{s['final_kv_bytes'] / 2**20:.2f} | {s['final_kv_bytes'] // (page * token_bytes)} |")
+
+
+if __name__ == "__main__":
+  main()
