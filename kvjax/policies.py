@@ -74,9 +74,15 @@ def write_new_tokens(
 
 
 def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
-  """Scales each sequence's live scores into [0, 1] by its max (scores are >= 0)."""
-  top = jnp.max(jnp.where(valid, x, 0.0), axis=-1, keepdims=True)
-  return x / jnp.maximum(top, 1e-12)
+  """Each live slot's rank among its sequence's live slots, scaled into [0, 1].
+
+  Ranks, not x / max: attention histories are heavy-tailed (the sink tokens draw most of
+  the attention), so dividing by the max squashed every evictable token near 0 and let
+  the 0.1-weighted info term decide alone."""
+  ranked = jnp.where(valid, x, -jnp.inf)
+  rank = jnp.argsort(jnp.argsort(ranked, axis=-1), axis=-1).astype(jnp.float32)
+  dead = x.shape[-1] - valid.sum(-1, keepdims=True)  # empty slots rank first
+  return jnp.clip(rank - dead, 0.0) / jnp.maximum(valid.sum(-1, keepdims=True) - 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)

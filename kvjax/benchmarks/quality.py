@@ -35,17 +35,20 @@ def read_text(path: str | None) -> str:
   return pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
 
 
-def configurations(budgets):
+def configurations(budgets, policies=None):
+  def wanted(name):
+    return name != "full" and (policies is None or name in policies)
+
   for budget in budgets:
-    for name in POLICIES:
-      if name != "full":
-        yield name, budget, "uniform", {}
-    for name in VARIANT_POLICIES:
+    for name in filter(wanted, POLICIES):
+      yield name, budget, "uniform", {}
+    for name in filter(wanted, VARIANT_POLICIES):
       yield name, budget, "pyramid", {"budget_schedule": "pyramid"}
       yield name, budget, "per-head", {"per_head": True}
 
 
-def run(model, tokenizer, text, context, continuation, budgets, windows, log=print):
+def run(model, tokenizer, text, context, continuation, budgets, windows, policies=None,
+        log=print):
   ids = tokenizer.encode(text)
   span = context + continuation
   if len(ids) < span * windows:
@@ -55,7 +58,7 @@ def run(model, tokenizer, text, context, continuation, budgets, windows, log=pri
   for w, start in enumerate(starts):
     ctx, cont = ids[start : start + context], ids[start + context : start + span]
     reference, full_peak = E.continuation_logits(model, ctx, cont)
-    for name, budget, variant, options in configurations(budgets):
+    for name, budget, variant, options in configurations(budgets, policies):
       t0 = time.perf_counter()
       r = E.fidelity(model, tokenizer, ctx, cont, policy=name, budget=budget,
                      reference_logits=reference, **options)
@@ -94,10 +97,11 @@ def main(argv=None):
   parser.add_argument("--budgets", type=int, nargs="+", default=[512, 256])
   parser.add_argument("--windows", type=int, default=2)
   parser.add_argument("--text", default=None, help="UTF-8 text file (default: jargon-text)")
+  parser.add_argument("--policies", nargs="+", default=None, help="default: all but full")
   args = parser.parse_args(argv)
   model, tokenizer = models.load_llama()
   summary = run(model, tokenizer, read_text(args.text), args.context, args.continuation,
-                args.budgets, args.windows)
+                args.budgets, args.windows, args.policies)
   print(table(summary, args.budgets))
 
 
