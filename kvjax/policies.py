@@ -80,9 +80,15 @@ def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
   the attention), so dividing by the max squashed every evictable token near 0 and let
   the 0.1-weighted info term decide alone."""
   ranked = jnp.where(valid, x, -jnp.inf)
-  rank = jnp.argsort(jnp.argsort(ranked, axis=-1), axis=-1).astype(jnp.float32)
+  ordered = jnp.sort(ranked, axis=-1)
+  search = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
+  flat_sorted, flat_x = ordered.reshape(-1, x.shape[-1]), ranked.reshape(-1, x.shape[-1])
+  below = search(flat_sorted, flat_x, "left").reshape(x.shape)
+  through = search(flat_sorted, flat_x, "right").reshape(x.shape)
+  rank = (below + through - 1).astype(jnp.float32) / 2  # ties share their average rank
   dead = x.shape[-1] - valid.sum(-1, keepdims=True)  # empty slots rank first
-  return jnp.clip(rank - dead, 0.0) / jnp.maximum(valid.sum(-1, keepdims=True) - 1, 1)
+  live = jnp.maximum(valid.sum(-1, keepdims=True) - 1, 1)
+  return jnp.where(valid, jnp.clip(rank - dead, 0.0) / live, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,10 +316,23 @@ def layer_budgets(
     raise ValueError(f"budget schedule must be one of {BUDGET_SCHEDULES}, got {schedule!r}")
   if schedule == "uniform" or num_layers == 1:
     return np.full((num_layers,), budget, np.int32)
-  shape = np.linspace(1.5, 0.5, num_layers)
-  raw = np.maximum(budget * shape, floor)
-  raw *= budget * num_layers / raw.sum()  # keep the mean after the floor lifted some layers
-  return np.maximum(np.round(raw / group) * group, floor).astype(np.int32)
+  total = budget * num_layers
+  if floor * num_layers > total:
+    raise ValueError(f"budget={budget} is below the floor {floor} every layer needs")
+  raw = budget * np.linspace(1.5, 0.5, num_layers)
+  pinned = np.zeros(num_layers, bool)
+  while True:  # pin layers below the floor, rescale the rest to what is left
+    free = total - floor * pinned.sum()
+    raw = np.where(pinned, floor, raw * free / raw[~pinned].sum())
+    low = ~pinned & (raw < floor)
+    if not low.any():
+      break
+    pinned |= low
+  out = np.maximum(np.floor(raw / group) * group, floor).astype(np.int64)
+  # Hand the rounding remainder to the lowest layers, one group at a time.
+  for i in range(int((total - out.sum()) // group)):
+    out[i % num_layers] += group
+  return out.astype(np.int32)
 
 
 def per_head_budgets(

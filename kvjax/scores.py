@@ -75,7 +75,8 @@ def accumulate_history(
 def predictive_entropy(logits: Float[Array, "... V"]) -> Float[Array, "..."]:
   """Entropy in nats of softmax(logits): how uncertain the model was at each token."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  p = jnp.exp(logp)
+  return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # masked (-inf) logits add 0
 
 
 def layer_change(
