@@ -35,6 +35,6 @@ __all__ = [
     "valid_mask",
 ]
 
-from kvjax.generation import GenerationResult, TokenEvent, generate  # noqa: E402  (imports models)
+from kvjax.generation import GenerationResult, Segment, TokenEvent, generate  # noqa: E402
 
-__all__ += ["GenerationResult", "TokenEvent", "generate"]
+__all__ += ["GenerationResult", "Segment", "TokenEvent", "generate"]
