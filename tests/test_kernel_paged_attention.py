@@ -1,0 +1,329 @@
+"""Pallas paged decode attention against its reference (interpret mode off TPU).
+
+KVJAX_PALLAS_INTERPRET=0 runs the compiled kernels instead (a TPU; elsewhere they skip).
+The helpers here are shared by the other kernel test files.
+"""
+
+import functools
+import itertools
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_kernels.paged_attention as pa
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_lse_reference,
+    paged_attention_reference,
+    resolve_impl,
+)
+
+PAGE_SIZES = (8, 16, 64)
+GROUPS = (1, 3, 8)
+HEAD_DIMS = (64, 128)
+LENGTH_KINDS = ("one", "boundary", "full", "ragged")
+DTYPES = ("float32", "bfloat16")
+PAGES_PER_BLOCK = (None, 1, 2)
+TOL = {"float32": dict(atol=1e-5, rtol=0), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+
+
+def kernel_interpret():
+  """What the tests pass as `interpret`: the TPU interpreter (uninitialised memory reads as
+  NaN, out-of-bounds reads raise) unless KVJAX_PALLAS_INTERPRET=0 asks for compiled kernels."""
+  if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") == "0":
+    if jax.default_backend() != "tpu":
+      pytest.skip(f"the Pallas kernels are TPU-style; {jax.default_backend()} cannot compile them")
+    return False
+  return pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+def lengths_for(kind, page_size):
+  """(lengths of the batch rows, pages per table) of a length pattern."""
+  ps = page_size
+  return {
+      "one": ([1], 2),
+      "boundary": ([ps, ps + 1, 2 * ps - 1, 2 * ps], 3),
+      "full": ([3 * ps, 3 * ps], 3),  # every table entry in use
+      "ragged": ([1, 3 * ps, 2 * ps + 3, 0], 4),  # includes an empty sequence
+  }[kind]
+
+
+def paged_problem(seed, page_size, hkv, group, lengths, max_pages, d, dtype="float32"):
+  """A NaN-poisoned pool: the null page, pages no sequence owns and slots past each length
+  are NaN; owned pages are shuffled. Returns jnp arrays (q, k_pages, v_pages, table, lens)."""
+  rng = np.random.default_rng(seed)
+  b = len(lengths)
+  owned = sum(-(-n // page_size) for n in lengths) * hkv
+  num_pages = 1 + owned + 2
+  k_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
+  v_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
+  table = np.zeros((b, hkv, max_pages), np.int32)
+  free = list(rng.permutation(np.arange(1, num_pages)))
+  for bi, n in enumerate(lengths):
+    for h in range(hkv):
+      ks = rng.normal(size=(n, d)).astype(np.float32)
+      vs = rng.normal(size=(n, d)).astype(np.float32)
+      for p in range(-(-n // page_size)):
+        page = free.pop()
+        table[bi, h, p] = page
+        rows = slice(p * page_size, min((p + 1) * page_size, n))
+        k_pages[page, : rows.stop - rows.start] = ks[rows]
+        v_pages[page, : rows.stop - rows.start] = vs[rows]
+  q = rng.normal(size=(b, 1, hkv * group, d)).astype(np.float32)
+  lens = np.repeat(np.asarray(lengths, np.int32)[:, None], hkv, axis=1)
+  dt = jnp.dtype(dtype)
+  return (
+      jnp.asarray(q, dt),
+      jnp.asarray(k_pages, dt),
+      jnp.asarray(v_pages, dt),
+      jnp.asarray(table),
+      jnp.asarray(lens),
+  )
+
+
+def full_product():
+  cases = list(itertools.product(PAGE_SIZES, GROUPS, HEAD_DIMS, LENGTH_KINDS, DTYPES))
+  return [(*c, PAGES_PER_BLOCK[i % len(PAGES_PER_BLOCK)]) for i, c in enumerate(cases)]
+
+
+def default_subset():
+  """A covering subset of the product (each page size x group pair, every head dim, length
+  kind, dtype and pages_per_block several times) that interpret mode runs quickly."""
+  cases = []
+  for i, (ps, g) in enumerate(itertools.product(PAGE_SIZES, GROUPS)):
+    cases.append(
+        (
+            ps,
+            g,
+            HEAD_DIMS[i % 2],
+            LENGTH_KINDS[i % 4],
+            DTYPES[(i // 2) % 2],
+            PAGES_PER_BLOCK[i % 3],
+        )
+    )
+  cases += [
+      (8, 3, 64, "ragged", "bfloat16", 1),
+      (64, 8, 128, "full", "float32", 1),
+      (16, 8, 128, "boundary", "bfloat16", None),
+  ]
+  return cases
+
+
+def case_params(cases_default, cases_all):
+  """Default cases, plus the rest of the full product marked slow."""
+  slow = [c for c in cases_all if c not in cases_default]
+  return [pytest.param(*c) for c in cases_default] + [
+      pytest.param(*c, marks=pytest.mark.slow) for c in slow
+  ]
+
+
+CASES = case_params(default_subset(), full_product())
+CASE_NAMES = "page_size, group, head_dim, length_kind, dtype, pages_per_block"
+
+
+@functools.cache
+def jitted(fn, **static):
+  return jax.jit(functools.partial(fn, **static))
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_code():
+  """Drops compiled executables after each test: hundreds of interpret-mode kernels kept
+  alive in one process have crashed the XLA CPU compiler (segfault) in the slow set."""
+  yield
+  jitted.cache_clear()
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize(CASE_NAMES, CASES)
+def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
+  lengths, m = lengths_for(length_kind, page_size)
+  seed = zlib.crc32(repr((page_size, group, head_dim, length_kind, dtype)).encode())
+  args = paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype)
+  interpret = kernel_interpret()
+  out, probs, lse = jitted(
+      paged_attention,
+      impl="pallas",
+      interpret=interpret,
+      pages_per_block=pages_per_block,
+      return_lse=True,
+  )(*args)
+  want_out, want_probs = jitted(paged_attention_reference)(*args)
+  want_lse = jitted(paged_attention_lse_reference)(args[0], args[1], args[3], args[4])
+  assert out.dtype == want_out.dtype and out.shape == want_out.shape
+  assert probs.shape == want_probs.shape == (len(lengths), 2, 1, m * page_size)
+  assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(probs).all()
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), **tol)
+  np.testing.assert_allclose(probs, want_probs, **tol)
+  np.testing.assert_allclose(lse, want_lse, **tol)  # +inf rows compare equal
+  live = np.arange(m * page_size) < np.asarray(args[4])[..., None]
+  assert (np.asarray(probs)[:, :, 0][~live] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "page_size, group, head_dim, dtype", [(16, 3, 64, "float32"), (8, 8, 128, "bfloat16")]
+)
+def test_per_query_head_probabilities(page_size, group, head_dim, dtype):
+  lengths, m = lengths_for("ragged", page_size)
+  args = paged_problem(3, page_size, 2, group, lengths, m, head_dim, dtype)
+  out, probs = jitted(
+      paged_attention, impl="pallas", interpret=kernel_interpret(), per_query_head=True
+  )(*args)
+  want_out, want_probs = jitted(paged_attention_reference, per_query_head=True)(*args)
+  assert probs.shape == want_probs.shape == (len(lengths), 2 * group, 1, m * page_size)
+  np.testing.assert_allclose(probs, want_probs, **TOL[dtype])
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32), np.asarray(want_out, np.float32), **TOL[dtype]
+  )
+
+
+def test_padding_queries_and_generic_interpreter():
+  # num_queries = 0 marks a padding row: nothing visible, zeros out, lse = +inf. Runs the
+  # generic (non-TPU) interpreter, which is what impl="pallas" uses on CPU by default.
+  args = paged_problem(5, 8, 2, 3, [13, 20], 3, 64)
+  num_queries = jnp.array([1, 0], jnp.int32)
+  interpret = True if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") != "0" else kernel_interpret()
+  out, probs, lse = jitted(paged_attention, impl="pallas", interpret=interpret, return_lse=True)(
+      *args, num_queries
+  )
+  want_out, want_probs = jitted(paged_attention_reference)(*args, num_queries)
+  np.testing.assert_allclose(out, want_out, atol=1e-5)
+  np.testing.assert_allclose(probs, want_probs, atol=1e-5)
+  assert (np.asarray(out)[1] == 0).all() and (np.asarray(probs)[1] == 0).all()
+  assert np.isinf(np.asarray(lse)[1]).all() and np.isfinite(np.asarray(lse)[0]).all()
+
+
+def test_hand_computed_tiny_case():
+  # One kv head, one query head, d=1: logits = q * k / 1 = (0, log 3) -> probs (1/4, 3/4).
+  k_pages = jnp.array([[[np.nan]], [[0.0]], [[1.0]]], jnp.float32)  # page 0 = null
+  v_pages = jnp.array([[[np.nan]], [[4.0]], [[8.0]]], jnp.float32)
+  q = jnp.full((1, 1, 1, 1), np.log(3.0), jnp.float32)
+  table = jnp.array([[[2, 1, 0]]], jnp.int32)  # logical order: page 2 then page 1
+  out, probs, lse = paged_attention(
+      q,
+      k_pages,
+      v_pages,
+      table,
+      jnp.array([[2]]),
+      impl="pallas",
+      interpret=kernel_interpret(),
+      pages_per_block=1,
+      return_lse=True,
+  )
+  np.testing.assert_allclose(probs[0, 0, 0], [0.75, 0.25, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(out[0, 0, 0], [0.75 * 8 + 0.25 * 4], rtol=1e-6)
+  np.testing.assert_allclose(lse[0, 0, 0], np.log(4.0), rtol=1e-6)  # log(e^log3 + e^0)
+
+
+def test_prefill_chunks_fall_back_to_the_reference(monkeypatch):
+  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  rng = np.random.default_rng(2)
+  q, kp, vp, table, lens = paged_problem(2, 8, 2, 3, [20, 9], 3, 64)
+  q = jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32)
+  got = paged_attention(q, kp, vp, table, lens, impl="pallas", interpret=True)
+  want = paged_attention_reference(q, kp, vp, table, lens)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+def _must_not_launch(*args, **kwargs):
+  raise AssertionError("the kernel was launched")
+
+
+def _good_args():
+  return dict(
+      q=np.zeros((1, 1, 4, 8), np.float32),
+      k_pages=np.zeros((5, 4, 8), np.float32),
+      v_pages=np.zeros((5, 4, 8), np.float32),
+      page_table=np.zeros((1, 2, 3), np.int32),
+      lengths=np.zeros((1, 2), np.int32),
+  )
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(q=np.zeros((1, 1, 4), np.float32)), ValueError, r"q must be \[B, T, Hq, D\]"),
+        (dict(k_pages=np.zeros((5, 4, 7), np.float32)), ValueError, r"k_pages must be"),
+        (dict(v_pages=np.zeros((5, 2, 8), np.float32)), ValueError, "v_pages shape"),
+        (dict(page_table=np.zeros((1, 3, 3), np.int32)), ValueError, "multiple of kv heads"),
+        (dict(lengths=np.zeros((1,), np.int32)), ValueError, r"lengths must be \[B, Hkv\]"),
+        (dict(page_table=np.full((1, 2, 3), 5, np.int32)), ValueError, r"in \[0, P=5\)"),
+        (dict(page_table=np.full((1, 2, 3), -1, np.int32)), ValueError, r"in \[0, P=5\)"),
+        (dict(q=np.zeros((1, 1, 4, 8), np.float16)), TypeError, "float32 or bfloat16"),
+        (dict(k_pages=np.zeros((5, 4, 8), np.float16)), TypeError, "float32 or bfloat16"),
+        (dict(q=np.zeros((1, 1, 4, 8), np.int32)), TypeError, "q must be floating point"),
+        (dict(page_table=np.zeros((1, 2, 3), np.float32)), TypeError, "must be integer"),
+    ],
+)
+def test_rejects_bad_arguments_before_launch(monkeypatch, change, error, match):
+  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  args = _good_args()
+  args.update(change)
+  args = {name: jnp.asarray(x) for name, x in args.items()}
+  with pytest.raises(error, match=match):
+    paged_attention(**args, impl="pallas", interpret=True)
+
+
+def test_out_of_range_table_is_rejected_on_the_reference_path_too():
+  args = {name: jnp.asarray(x) for name, x in _good_args().items()}
+  args["page_table"] = jnp.full((1, 2, 3), 9, jnp.int32)
+  with pytest.raises(ValueError, match=r"in \[0, P=5\)"):
+    paged_attention(**args, impl="ref")
+
+
+def test_traced_page_table_skips_the_range_check():
+  args = paged_problem(4, 8, 2, 1, [9], 2, 64)
+  out, _ = jax.jit(functools.partial(paged_attention, impl="pallas", interpret=True))(*args)
+  want, _ = jitted(paged_attention_reference)(*args)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_auto_picks_the_reference_on_cpu(monkeypatch):
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU choice")
+  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  args = paged_problem(4, 8, 2, 1, [9], 2, 64)
+  np.testing.assert_array_equal(paged_attention(*args)[0], paged_attention_reference(*args)[0])
+
+
+@pytest.mark.parametrize(
+    "backend, impl, interpret, expected",
+    [
+        ("tpu", "auto", None, (True, False)),
+        ("tpu", "pallas", True, (True, True)),
+        ("gpu", "auto", None, (False, False)),
+        ("cpu", "auto", None, (False, False)),
+        ("cpu", "pallas", None, (True, True)),
+        ("gpu", "pallas", None, (True, True)),
+        ("cpu", "ref", None, (False, False)),
+    ],
+)
+def test_resolve_impl(monkeypatch, backend, impl, interpret, expected):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  monkeypatch.delenv("KVJAX_PALLAS_INTERPRET", raising=False)
+  assert resolve_impl(impl, interpret) == expected
+
+
+def test_resolve_impl_rejects_unknown_impl_and_uncompilable_backends(monkeypatch):
+  with pytest.raises(ValueError, match="impl must be one of"):
+    resolve_impl("triton", None)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(NotImplementedError, match="TPU-style"):
+    resolve_impl("pallas", False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_lowers_for_tpu(dtype):
+  # Cross-platform lowering runs the Pallas -> Mosaic lowering rules without a TPU (the
+  # Mosaic compiler itself only runs on a TPU host).
+  args = paged_problem(6, 16, 2, 3, [20, 33], 3, 128, dtype)
+  fn = jax.jit(functools.partial(pa.paged_attention_pallas, interpret=False, return_lse=True))
+  exported = jax.export.export(fn, platforms=["tpu"])(*args)
+  assert "tpu_custom_call" in exported.mlir_module()
