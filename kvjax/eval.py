@@ -22,10 +22,11 @@ def _teacher_forced(graphdef, plan, state, cache, tokens, start, key):
   b = tokens.shape[0]
 
   def step(carry, xs):
-    cache, = carry
+    (cache,) = carry
     token, i = xs
-    logits, cache = model(token[:, None], jnp.full((b, 1), start + i, jnp.int32), cache,
-                          policy=plan and plan.policy)
+    logits, cache = model(
+        token[:, None], jnp.full((b, 1), start + i, jnp.int32), cache, policy=plan and plan.policy
+    )
     if plan is not None:
       cache = plan.apply(cache, jax.random.fold_in(key, i))
     return (cache,), logits[:, 0]
@@ -35,21 +36,30 @@ def _teacher_forced(graphdef, plan, state, cache, tokens, start, key):
   return logits.transpose(1, 0, 2), cache
 
 
-def continuation_logits(model, context_ids, continuation_ids, *, policy="full", budget=None,
-                        seed=0, **plan_options):
+def continuation_logits(
+    model, context_ids, continuation_ids, *, policy="full", budget=None, seed=0, **plan_options
+):
   """Logits predicting each continuation token [N, V] (the first from the last context
   position), with the context prefilled under `policy`/`budget` and the continuation fed
   teacher-forced; and the peak KV pages held."""
   context_ids, continuation_ids = list(context_ids), list(continuation_ids)
-  plan = plan_cache(model, policy, budget, batch=1, longest=len(context_ids),
-                    max_new_tokens=len(continuation_ids), **plan_options)
+  plan = plan_cache(
+      model,
+      policy,
+      budget,
+      batch=1,
+      longest=len(context_ids),
+      max_new_tokens=len(continuation_ids),
+      **plan_options,
+  )
   encoded = EncodedPrompts([context_ids], [[False] * len(context_ids)], [[0] * len(context_ids)])
   key = jax.random.key(seed)
   last, cache, peak, _ = prefill(model, plan, encoded, key)
   graphdef, state = nnx.split(model)
   tokens = jnp.asarray([continuation_ids[:-1]], jnp.int32)
-  logits, cache = _teacher_forced(graphdef, plan.eviction, state, cache, tokens,
-                                  jnp.int32(len(context_ids)), key)
+  logits, cache = _teacher_forced(
+      graphdef, plan.eviction, state, cache, tokens, jnp.int32(len(context_ids)), key
+  )
   peak = max(peak, int(cache.pages_in_use().sum()))
   return jnp.concatenate([last, logits[0]], axis=0), peak * cache.page_bytes
 
@@ -99,8 +109,9 @@ def fidelity(
     )
   if reference_logits is None:
     reference_logits, _ = continuation_logits(model, context_ids, continuation_ids, **plan_options)
-  logits, peak = continuation_logits(model, context_ids, continuation_ids, policy=policy,
-                                     budget=budget, **plan_options)
+  logits, peak = continuation_logits(
+      model, context_ids, continuation_ids, policy=policy, budget=budget, **plan_options
+  )
   result = compare_predictions(reference_logits, logits, np.asarray(continuation_ids))
   result["peak_kv_bytes"] = peak
   return result

@@ -90,25 +90,43 @@ _COMPILED: collections.OrderedDict = collections.OrderedDict()
 _MAX_COMPILED = 16
 
 
-def _compiled(fn, graphdef, plan, *args):
+def _compiled(fn, graphdef, plan, impl, *args):
   """Ahead-of-time compiled `fn` for these argument shapes, cached, and the seconds spent
   compiling (0 on a hit): generation stats report compilation apart from run time."""
   leaves, treedef = jax.tree.flatten(args)
-  key = (fn, graphdef, plan, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+  key = (
+      fn,
+      graphdef,
+      plan,
+      impl,
+      treedef,
+      tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
+  )
   if key in _COMPILED:
     _COMPILED.move_to_end(key)
     return _COMPILED[key], 0.0
   start = time.perf_counter()
-  compiled = fn.lower(graphdef, plan, *args).compile()
+  compiled = fn.lower(graphdef, plan, impl, *args).compile()
   _COMPILED[key] = compiled
   if len(_COMPILED) > _MAX_COMPILED:
     _COMPILED.popitem(last=False)
   return compiled, time.perf_counter() - start
 
 
-@partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
+@partial(jax.jit, static_argnames=("graphdef", "plan", "impl"), donate_argnames="cache")
 def _prefill_chunk(
-    graphdef, plan, state, cache, tokens, positions, num_new, logits_at, protected, segment, key
+    graphdef,
+    plan,
+    impl,
+    state,
+    cache,
+    tokens,
+    positions,
+    num_new,
+    logits_at,
+    protected,
+    segment,
+    key,
 ):
   """One prefill chunk; returns the logits at `logits_at`, the cache after eviction, and
   the pages held before eviction (the peak)."""
@@ -122,6 +140,7 @@ def _prefill_chunk(
       policy=plan and plan.policy,
       protected=protected,
       segment=segment,
+      attention_impl=impl,
   )
   peak = cache.pages_in_use().sum()
   if plan is not None:
@@ -129,8 +148,8 @@ def _prefill_chunk(
   return logits, cache, peak
 
 
-@partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="decode")
-def _decode(graphdef, plan, state, decode: DecodeState, limit, eos_ids, sampling):
+@partial(jax.jit, static_argnames=("graphdef", "plan", "impl"), donate_argnames="decode")
+def _decode(graphdef, plan, impl, state, decode: DecodeState, limit, eos_ids, sampling):
   """Runs decode steps until `limit` steps, or every row is done, or the cache fails."""
   model = nnx.merge(graphdef, state)
   temperature, top_k, top_p = sampling
@@ -157,6 +176,7 @@ def _decode(graphdef, plan, state, decode: DecodeState, limit, eos_ids, sampling
         s.cache,
         feed.astype(jnp.int32),
         policy=plan and plan.policy,
+        attention_impl=impl,
     )
     peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
     if plan is not None:
@@ -329,7 +349,9 @@ def plan_cache(
   return CachePlan(cfg, plan, chunk)
 
 
-def prefill(model, plan: CachePlan, prompts: EncodedPrompts, key, cache=None):
+def prefill(
+    model, plan: CachePlan, prompts: EncodedPrompts, key, cache=None, attention_impl="auto"
+):
   """Chunked prefill of a batch with eviction after each chunk.
 
   Returns (logits [B, V] at each row's last prompt token, cache, peak pages held, seconds
@@ -362,7 +384,7 @@ def prefill(model, plan: CachePlan, prompts: EncodedPrompts, key, cache=None):
         segment[:, window],
         jax.random.fold_in(key, offset),
     )
-    step, seconds = _compiled(_prefill_chunk, graphdef, plan.eviction, *args)
+    step, seconds = _compiled(_prefill_chunk, graphdef, plan.eviction, attention_impl, *args)
     compile_seconds += seconds
     logits, cache, pages = step(*args)
     ends_here = (lengths - 1 >= offset) & (lengths - 1 < offset + chunk)
@@ -394,6 +416,7 @@ def generate(
     key: Array | None = None,
     prefill_chunk: int = 256,
     page_size: int = 16,
+    attention_impl: str = "auto",
     stream: bool = False,
 ) -> GenerationResult | "Generation":
   """Generates continuations of a batch of prompts of different lengths.
@@ -419,6 +442,8 @@ def generate(
     prefill_chunk: prompt tokens per prefill step (eviction runs after each chunk, so the
       cache peaks at budget + one page + one chunk).
     page_size: tokens per cache page.
+    attention_impl: paged-attention kernel, "auto" (Pallas where supported), "pallas"
+      (interpret mode off TPU) or "ref".
     stream: return a `Generation` iterator of `TokenEvent`s instead of the result.
   """
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -460,7 +485,7 @@ def generate(
   key = jax.random.key(seed) if key is None else key
   sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
   generation = Generation(
-      _run(model, tokenizer, encoded, plan, max_new_tokens, key, sampling, stream)
+      _run(model, tokenizer, encoded, plan, max_new_tokens, key, sampling, stream, attention_impl)
   )
   if stream:
     return generation
@@ -481,14 +506,24 @@ class Generation:
 
 
 def _run(
-    model, tokenizer, encoded: EncodedPrompts, plan: CachePlan, max_new, key, sampling, stream
+    model,
+    tokenizer,
+    encoded: EncodedPrompts,
+    plan: CachePlan,
+    max_new,
+    key,
+    sampling,
+    stream,
+    attention_impl,
 ):
   batch = len(encoded.ids)
   lengths = encoded.lengths
   graphdef, state = nnx.split(model)
   prefill_key, decode_key = jax.random.split(key)
   start = time.perf_counter()
-  last_logits, cache, peak, compile_seconds = prefill(model, plan, encoded, prefill_key)
+  last_logits, cache, peak, compile_seconds = prefill(
+      model, plan, encoded, prefill_key, attention_impl=attention_impl
+  )
   prefill_seconds = time.perf_counter() - start - compile_seconds
 
   decode = DecodeState(
@@ -506,7 +541,7 @@ def _run(
   eos_ids = jnp.asarray(tokenizer.eos_ids or (-1,), jnp.int32)
   limit = jnp.int32(max_new)
   decode_steps, seconds = _compiled(
-      _decode, graphdef, plan.eviction, state, decode, limit, eos_ids, sampling
+      _decode, graphdef, plan.eviction, attention_impl, state, decode, limit, eos_ids, sampling
   )
   compile_seconds += seconds
   start = time.perf_counter()

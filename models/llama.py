@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import PagedKVCache, append_layer
 from models.config import ModelConfig, check_params
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention
 
 # Per-layer weights: name -> shape from config, in `[in, out]` orientation.
 _LAYER_WEIGHTS = {
@@ -143,6 +143,7 @@ class Llama(nnx.Module):
       policy=None,
       protected: Bool[Array, "B T"] | None = None,
       segment: Int[Array, "B T"] | None = None,
+      attention_impl: str = "auto",
   ) -> tuple[Array, PagedKVCache]:
     """Runs T tokens per row through every layer, appending their K/V to the cache.
 
@@ -151,6 +152,7 @@ class Llama(nnx.Module):
     index `logits_at[b]` of each row (the last prompt token, say), and the updated cache.
     A `kvjax.policies.Policy` observes each layer's attention (and, if it asks, hidden
     states and logits) to update its scores; `protected`/`segment` mark the new tokens.
+    `attention_impl` picks the paged-attention kernel ("auto", "pallas", "ref").
     """
     from kvjax.policies import AttentionStats  # kvjax imports this module
 
@@ -165,7 +167,7 @@ class Llama(nnx.Module):
 
     def attend(q, k, v, cache, layer):
       cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
-      out, probs = paged_attention_reference(
+      out, probs = paged_attention(
           q,
           cache.k_pages,
           cache.v_pages,
@@ -173,6 +175,7 @@ class Llama(nnx.Module):
           cache.length[layer],
           num_new,
           per_query_head=per_head,
+          impl=attention_impl,
       )
       if policy is not None:
         head_probs = probs if per_head else None

@@ -43,32 +43,54 @@ def main(argv=None):
       ("h2o", {"budget_schedule": "pyramid"}),
       ("h2o", {"per_head": True}),
   ]
-  print(f"prompt {len(ids)} tokens, budget {budget} tokens/sequence "
-        f"({args.budget:.0%}), chunk {args.prefill_chunk}, {sequences} sequences")
+  print(
+      f"prompt {len(ids)} tokens, budget {budget} tokens/sequence "
+      f"({args.budget:.0%}), chunk {args.prefill_chunk}, {sequences} sequences"
+  )
   print("| policy | variant | peak KV MiB | bound MiB | within | final KV MiB | final pages |")
   print("|---|---|---:|---:|---|---:|---:|")
   for name, options in runs:
     kwargs = {} if name == "full" else {"budget": budget}
-    result = kvjax.generate(model, tokenizer, [ids], policy=name, max_new_tokens=args.max_new_tokens,
-                            prefill_chunk=args.prefill_chunk, page_size=page, **kwargs, **options)
+    result = kvjax.generate(
+        model,
+        tokenizer,
+        [ids],
+        policy=name,
+        max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        page_size=page,
+        **kwargs,
+        **options,
+    )
     stats = result.stats
     variant = ", ".join(f"{k}={v}" for k, v in options.items()) or "uniform"
     budgets = stats["layer_budgets"]
     limit = None if budgets is None else bound(max(budgets) if options else budget)
     within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")
-    print(f"| {name} | {variant} | {stats['peak_kv_bytes'] / 2**20:.2f} | "
-          f"{'-' if limit is None else f'{limit / 2**20:.2f}'} | {within} | "
-          f"{stats['final_kv_bytes'] / 2**20:.2f} | {stats['final_kv_bytes'] // (page * token_bytes)} |")
+    print(
+        f"| {name} | {variant} | {stats['peak_kv_bytes'] / 2**20:.2f} | "
+        f"{'-' if limit is None else f'{limit / 2**20:.2f}'} | {within} | "
+        f"{stats['final_kv_bytes'] / 2**20:.2f} | {stats['final_kv_bytes'] // (page * token_bytes)} |"
+    )
     if options.get("budget_schedule") == "pyramid":
       widest = max(budgets)
-      wide = kvjax.generate(model, tokenizer, [ids], policy=name,
-                            max_new_tokens=args.max_new_tokens, prefill_chunk=args.prefill_chunk,
-                            page_size=page, budget=widest)
+      wide = kvjax.generate(
+          model,
+          tokenizer,
+          [ids],
+          policy=name,
+          max_new_tokens=args.max_new_tokens,
+          prefill_chunk=args.prefill_chunk,
+          page_size=page,
+          budget=widest,
+      )
       s = wide.stats
-      print(f"| {name} | uniform at the pyramid's largest layer budget ({widest}) | "
-            f"{s['peak_kv_bytes'] / 2**20:.2f} | {bound(widest) / 2**20:.2f} | "
-            f"{'yes' if s['peak_kv_bytes'] <= bound(widest) else 'NO'} | "
-            f"{s['final_kv_bytes'] / 2**20:.2f} | {s['final_kv_bytes'] // (page * token_bytes)} |")
+      print(
+          f"| {name} | uniform at the pyramid's largest layer budget ({widest}) | "
+          f"{s['peak_kv_bytes'] / 2**20:.2f} | {bound(widest) / 2**20:.2f} | "
+          f"{'yes' if s['peak_kv_bytes'] <= bound(widest) else 'NO'} | "
+          f"{s['final_kv_bytes'] / 2**20:.2f} | {s['final_kv_bytes'] // (page * token_bytes)} |"
+      )
 
 
 if __name__ == "__main__":

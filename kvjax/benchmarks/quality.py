@@ -47,8 +47,7 @@ def configurations(budgets, policies=None):
       yield name, budget, "per-head", {"per_head": True}
 
 
-def run(model, tokenizer, text, context, continuation, budgets, windows, policies=None,
-        log=print):
+def run(model, tokenizer, text, context, continuation, budgets, windows, policies=None, log=print):
   ids = tokenizer.encode(text)
   span = context + continuation
   if len(ids) < span * windows:
@@ -60,13 +59,23 @@ def run(model, tokenizer, text, context, continuation, budgets, windows, policie
     reference, full_peak = E.continuation_logits(model, ctx, cont)
     for name, budget, variant, options in configurations(budgets, policies):
       t0 = time.perf_counter()
-      r = E.fidelity(model, tokenizer, ctx, cont, policy=name, budget=budget,
-                     reference_logits=reference, **options)
+      r = E.fidelity(
+          model,
+          tokenizer,
+          ctx,
+          cont,
+          policy=name,
+          budget=budget,
+          reference_logits=reference,
+          **options,
+      )
       results.setdefault((name, budget, variant), []).append(r)
-      log(f"window {w} {name:14s} budget={budget:4d} {variant:8s} kl={r['kl']:.4f} "
+      log(
+          f"window {w} {name:14s} budget={budget:4d} {variant:8s} kl={r['kl']:.4f} "
           f"top1={r['top1']:.3f} ppl={r['ppl']:.2f} (full {r['ppl_full']:.2f}) "
           f"peak={r['peak_kv_bytes'] / 2**20:.1f} MiB vs {full_peak / 2**20:.1f} "
-          f"[{time.perf_counter() - t0:.1f} s]")
+          f"[{time.perf_counter() - t0:.1f} s]"
+      )
   return {
       key: {metric: float(np.mean([r[metric] for r in rs])) for metric in rs[0]}
       for key, rs in results.items()
@@ -74,11 +83,14 @@ def run(model, tokenizer, text, context, continuation, budgets, windows, policie
 
 
 def table(summary, budgets) -> str:
-  lines = ["| policy | budget schedule | " + " | ".join(
-      f"KL @{b} | top-1 @{b}" for b in budgets) + " |",
-           "|---|---|" + "---:|---:|" * len(budgets)]
-  rows = sorted({(name, variant) for name, _, variant in summary},
-                key=lambda nv: (nv[1] != "uniform", nv[1], nv[0]))
+  lines = [
+      "| policy | budget schedule | " + " | ".join(f"KL @{b} | top-1 @{b}" for b in budgets) + " |",
+      "|---|---|" + "---:|---:|" * len(budgets),
+  ]
+  rows = sorted(
+      {(name, variant) for name, _, variant in summary},
+      key=lambda nv: (nv[1] != "uniform", nv[1], nv[0]),
+  )
   for name, variant in rows:
     cells = []
     for b in budgets:
@@ -100,8 +112,16 @@ def main(argv=None):
   parser.add_argument("--policies", nargs="+", default=None, help="default: all but full")
   args = parser.parse_args(argv)
   model, tokenizer = models.load_llama()
-  summary = run(model, tokenizer, read_text(args.text), args.context, args.continuation,
-                args.budgets, args.windows, args.policies)
+  summary = run(
+      model,
+      tokenizer,
+      read_text(args.text),
+      args.context,
+      args.continuation,
+      args.budgets,
+      args.windows,
+      args.policies,
+  )
   print(table(summary, args.budgets))
 
 
