@@ -39,58 +39,41 @@ def main(argv=None):
   def bound(b):  # budget + one page (eviction margin) + one chunk, in whole pages
     return sequences * -(-(b + page + args.prefill_chunk) // page) * page * token_bytes
 
-  runs = [(name, {}) for name in POLICIES] + [
-      ("h2o", {"budget_schedule": "pyramid"}),
-      ("h2o", {"per_head": True}),
-  ]
+  def report(label, variant, options, budget_for_bound):
+    kwargs = {} if label == "full" else {"budget": options.pop("budget", budget)}
+    stats = kvjax.generate(
+        model,
+        tokenizer,
+        [ids],
+        policy=label,
+        max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        page_size=page,
+        **kwargs,
+        **options,
+    ).stats
+    limit = None if stats["layer_budgets"] is None else bound(budget_for_bound(stats))
+    within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")
+    print(
+        f"| {label} | {variant} | {stats['peak_kv_bytes'] / 2**20:.2f} | "
+        f"{'-' if limit is None else f'{limit / 2**20:.2f}'} | {within} | "
+        f"{stats['final_kv_bytes'] / 2**20:.2f} | {stats['final_kv_bytes'] // (page * token_bytes)} |"
+    )
+    return stats
+
   print(
       f"prompt {len(ids)} tokens, budget {budget} tokens/sequence "
       f"({args.budget:.0%}), chunk {args.prefill_chunk}, {sequences} sequences"
   )
   print("| policy | variant | peak KV MiB | bound MiB | within | final KV MiB | final pages |")
   print("|---|---|---:|---:|---|---:|---:|")
-  for name, options in runs:
-    kwargs = {} if name == "full" else {"budget": budget}
-    result = kvjax.generate(
-        model,
-        tokenizer,
-        [ids],
-        policy=name,
-        max_new_tokens=args.max_new_tokens,
-        prefill_chunk=args.prefill_chunk,
-        page_size=page,
-        **kwargs,
-        **options,
-    )
-    stats = result.stats
-    variant = ", ".join(f"{k}={v}" for k, v in options.items()) or "uniform"
-    budgets = stats["layer_budgets"]
-    limit = None if budgets is None else bound(max(budgets) if options else budget)
-    within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")
-    print(
-        f"| {name} | {variant} | {stats['peak_kv_bytes'] / 2**20:.2f} | "
-        f"{'-' if limit is None else f'{limit / 2**20:.2f}'} | {within} | "
-        f"{stats['final_kv_bytes'] / 2**20:.2f} | {stats['final_kv_bytes'] // (page * token_bytes)} |"
-    )
-    if options.get("budget_schedule") == "pyramid":
-      widest = max(budgets)
-      wide = kvjax.generate(
-          model,
-          tokenizer,
-          [ids],
-          policy=name,
-          max_new_tokens=args.max_new_tokens,
-          prefill_chunk=args.prefill_chunk,
-          page_size=page,
-          budget=widest,
-      )
-      s = wide.stats
-      print(
-          f"| {name} | uniform at the pyramid's largest layer budget ({widest}) | "
-          f"{s['peak_kv_bytes'] / 2**20:.2f} | {bound(widest) / 2**20:.2f} | "
-          f"{'yes' if s['peak_kv_bytes'] <= bound(widest) else 'NO'} | "
-          f"{s['final_kv_bytes'] / 2**20:.2f} | {s['final_kv_bytes'] // (page * token_bytes)} |"
-      )
+  for name in POLICIES:
+    report(name, "uniform", {}, lambda stats: budget)
+  widest = lambda stats: max(stats["layer_budgets"])  # noqa: E731
+  pyramid = report("h2o", "budget_schedule=pyramid", {"budget_schedule": "pyramid"}, widest)
+  top = widest(pyramid)
+  report("h2o", f"uniform at the pyramid's largest layer budget ({top})", {"budget": top}, widest)
+  report("h2o", "per_head=True", {"per_head": True}, lambda stats: budget)
 
 
 if __name__ == "__main__":
