@@ -21,18 +21,17 @@ def _teacher_forced(graphdef, plan, state, cache, tokens, start, key):
   model = nnx.merge(graphdef, state)
   b = tokens.shape[0]
 
-  def step(carry, xs):
-    (cache,) = carry
+  def step(cache, xs):
     token, i = xs
     logits, cache = model(
         token[:, None], jnp.full((b, 1), start + i, jnp.int32), cache, policy=plan and plan.policy
     )
     if plan is not None:
       cache = plan.apply(cache, jax.random.fold_in(key, i))
-    return (cache,), logits[:, 0]
+    return cache, logits[:, 0]
 
   n = tokens.shape[1]
-  (cache,), logits = jax.lax.scan(step, (cache,), (tokens.T, jnp.arange(n)))
+  cache, logits = jax.lax.scan(step, cache, (tokens.T, jnp.arange(n)))
   return logits.transpose(1, 0, 2), cache
 
 
