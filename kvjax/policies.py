@@ -371,17 +371,21 @@ def fair_scores(scores: Float[Array, "L B H N"], segment, valid) -> Float[Array,
 @dataclasses.dataclass(frozen=True)
 class EvictionPlan:
   """How a cache is kept within budget: the policy, per-layer budgets, per-head split and
-  fair eviction over marked segments. Static (hashable) so jitted steps specialise on it."""
+  fair eviction over marked segments. Static (hashable) so jitted steps specialise on it.
+
+  `evict=False` keeps the policy observing (its scores update) but never evicts: the cost
+  benchmark times eviction as the difference against such a plan."""
 
   policy: Policy
   layer_budget: tuple[int, ...]
   per_head: bool = False
   fair: bool = False
+  evict: bool = True
 
   def apply(self, cache: PagedKVCache, key) -> PagedKVCache:
     """Evicts where a sequence (or, per head, a layer) passed its threshold."""
     cfg = cache.config
-    if not cfg.evicts:
+    if not cfg.evicts or not self.evict:
       return cache
     budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
     margin = cfg.threshold - cfg.budget
