@@ -255,6 +255,18 @@ def encode_prompts(tokenizer, prompts, chat: bool, vocab_size: int) -> EncodedPr
   return EncodedPrompts(ids, protected, segment)
 
 
+def budget_tokens(budget: int | float, length: int, group_size: int = 1) -> int:
+  """Tokens kept for `budget`: an int as given, or a fraction in (0, 1) of `length` rounded
+  down to whole groups (at least one group)."""
+  if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
+    raise TypeError(f"budget must be an int (tokens) or a float in (0, 1), got {budget!r}")
+  if isinstance(budget, (float, np.floating)):
+    if not 0.0 < budget < 1.0:
+      raise ValueError(f"a fractional budget must be in (0, 1), got {budget}")
+    return max(group_size, int(budget * length) // group_size * group_size)
+  return int(budget)
+
+
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
   """The cache configuration and eviction plan for one batch (see `plan_cache`)."""
@@ -291,16 +303,13 @@ def plan_cache(
   policy = get_policy(policy)
   if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-  fraction = None
-  if isinstance(budget, float):
-    if not 0.0 < budget < 1.0:
-      raise ValueError(f"a fractional budget must be in (0, 1), got {budget}")
-    fraction, budget = budget, max(1, int(budget * longest))
   needed = longest + max_new_tokens
   # Short prompts need no full-size chunk; powers of two bound the number of compilations.
   chunk = min(prefill_chunk, 1 << (longest - 1).bit_length())
   dtype = jnp.dtype(model.embed[...].dtype).name
   if isinstance(policy, Full):
+    if budget is not None:
+      budget = budget_tokens(budget, longest, 1)
     if budget is not None and budget < needed:
       raise ValueError(
           f"policy 'full' keeps every token: budget={budget} cannot hold the prompt "
@@ -314,8 +323,7 @@ def plan_cache(
   if budget_schedule not in BUDGET_SCHEDULES:
     raise ValueError(f"budget_schedule must be one of {BUDGET_SCHEDULES}, got {budget_schedule!r}")
   group = group_size or (1 if policy.token_level else page_size)
-  if fraction is not None and group > 1:  # a fraction of the prompt, in whole pages
-    budget = max(group, budget // group * group)
+  budget = budget_tokens(budget, longest, group)
   if per_head and group != 1:
     raise ValueError(
         "per_head budgets need token eviction (group_size=1): block eviction "
@@ -350,10 +358,19 @@ def plan_cache(
 
 
 def prefill(
-    model, plan: CachePlan, prompts: EncodedPrompts, key, cache=None, attention_impl="auto"
+    model,
+    plan: CachePlan,
+    prompts: EncodedPrompts,
+    key,
+    cache=None,
+    attention_impl="auto",
+    start: int | np.ndarray = 0,
 ):
   """Chunked prefill of a batch with eviction after each chunk.
 
+  `start` is the position of each row's first prompt token: pass the cache of an earlier
+  prefill and its lengths to append more tokens (e.g. a question after a compressed
+  context).
   Returns (logits [B, V] at each row's last prompt token, cache, peak pages held, seconds
   spent compiling).
   """
@@ -365,13 +382,14 @@ def prefill(
         plan.config, config.n_layers, batch, config.n_kv_heads, config.head_dim, chunk=chunk
     )
   lengths = prompts.lengths
+  starts = np.broadcast_to(np.asarray(start, np.int32), (batch,))
   ids, protected, segment = prompts.padded(-(-int(lengths.max()) // chunk) * chunk)
   last_logits = jnp.zeros((batch, config.vocab_size), jnp.float32)
   peak, compile_seconds = 0, 0.0
   for offset in range(0, ids.shape[1], chunk):
     window = slice(offset, offset + chunk)
     num_new = np.clip(lengths - offset, 0, chunk).astype(np.int32)
-    positions = np.broadcast_to(np.arange(offset, offset + chunk, dtype=np.int32), (batch, chunk))
+    positions = starts[:, None] + np.arange(offset, offset + chunk, dtype=np.int32)
     last_index = np.clip(lengths - 1 - offset, 0, chunk - 1).astype(np.int32)
     args = (
         state,
@@ -382,7 +400,7 @@ def prefill(
         last_index,
         protected[:, window],
         segment[:, window],
-        jax.random.fold_in(key, offset),
+        jax.random.fold_in(key, int(starts.max()) + offset),
     )
     step, seconds = _compiled(_prefill_chunk, graphdef, plan.eviction, attention_impl, *args)
     compile_seconds += seconds
@@ -485,7 +503,7 @@ def generate(
   key = jax.random.key(seed) if key is None else key
   sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
   generation = Generation(
-      _run(model, tokenizer, encoded, plan, max_new_tokens, key, sampling, stream, attention_impl)
+      _run(model, tokenizer, [encoded], plan, max_new_tokens, key, sampling, stream, attention_impl)
   )
   if stream:
     return generation
@@ -508,7 +526,7 @@ class Generation:
 def _run(
     model,
     tokenizer,
-    encoded: EncodedPrompts,
+    phases: Sequence[EncodedPrompts],
     plan: CachePlan,
     max_new,
     key,
@@ -516,14 +534,22 @@ def _run(
     stream,
     attention_impl,
 ):
-  batch = len(encoded.ids)
-  lengths = encoded.lengths
+  """Prefills the prompt phase by phase (each phase continues the previous one, with
+  eviction in between), then decodes."""
+  batch = len(phases[0].ids)
   graphdef, state = nnx.split(model)
   prefill_key, decode_key = jax.random.split(key)
   start = time.perf_counter()
-  last_logits, cache, peak, compile_seconds = prefill(
-      model, plan, encoded, prefill_key, attention_impl=attention_impl
-  )
+  lengths, cache, peak, compile_seconds = np.zeros(batch, np.int32), None, 0, 0.0
+  for phase in phases:
+    last_logits, cache, phase_peak, seconds = prefill(
+        model, plan, phase, prefill_key, cache, attention_impl, start=lengths
+    )
+    lengths, peak, compile_seconds = (
+        lengths + phase.lengths,
+        max(peak, phase_peak),
+        compile_seconds + seconds,
+    )
   prefill_seconds = time.perf_counter() - start - compile_seconds
 
   decode = DecodeState(
