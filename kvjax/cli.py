@@ -133,6 +133,161 @@ def _generate(args) -> int:
   return 0
 
 
+# Request lengths per task when --context-tokens is not given (full run / --quick).
+_DEFAULT_LENGTHS = {
+    "fidelity": ([1024, 2048], [256]),
+    "perplexity": ([2048], [256]),
+    "passkey": ([1024, 2048], [512]),
+    "retention": ([1024, 2048], [256]),
+    "bench": ([512, 1024, 2048, 4096, 8192], [256]),
+}
+_QUICK_POLICIES = ["full", "streaming", "h2o"]
+
+
+def _evaluate(args) -> int:
+  """Runs one evaluation task (or `bench`) over policies x budgets x request lengths and
+  writes results.json, results.md and plots into --out."""
+  import pathlib
+
+  import jax
+
+  import models
+  from kvjax.eval import _data, _report, _sweep
+
+  task = args.task
+  quick = args.quick
+  lengths = args.context_tokens or _DEFAULT_LENGTHS[task][1 if quick else 0]
+  policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
+  budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
+  options = {"sink": args.sink, "page_size": args.page_size}
+  if args.recent is not None:
+    options["recent"] = args.recent
+  if task in ("fidelity", "perplexity"):
+    default_continuation = 64 if task == "fidelity" else 128
+    options["continuation_tokens"] = args.continuation_tokens or (
+        16 if quick else default_continuation
+    )
+    options["windows"] = args.windows or (1 if quick else 2)
+  if task in ("passkey", "retention"):
+    options["depths"] = args.depths or ([0.5] if quick else [0.1, 0.5, 0.9])
+  if task == "passkey":
+    options["trials"] = args.trials or 1
+  if task == "bench":
+    options["decode_steps"] = args.decode_steps or (8 if quick else 32)
+    options["repeats"] = args.repeats or (1 if quick else 3)
+
+  start = time.perf_counter()
+  print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+  model, tokenizer = models.load_llama(args.model)
+  print(
+      f"loaded {model.config.name} in {time.perf_counter() - start:.1f} s on "
+      f"{jax.default_backend()}",
+      file=sys.stderr,
+      flush=True,
+  )
+  ids, cases = None, None
+  if task == "passkey":
+    if args.text:
+      raise ValueError("passkey uses a synthetic filler or --jsonl question records, not --text")
+    if args.jsonl:
+      cases = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
+      if args.context_tokens:
+        raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
+      lengths = [max(len(tokenizer.encode(c["context"])) for c in cases)]
+    data = {"kind": "jsonl", "source": args.jsonl} if cases else {"kind": "synthetic passkey"}
+  else:
+    if args.jsonl:
+      records = _data.read_jsonl(args.jsonl, ("text",))
+      text, data = "\n\n".join(r["text"] for r in records), {"kind": "jsonl", "source": args.jsonl}
+    elif args.text:
+      text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
+    else:
+      text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
+    ids = tokenizer.encode(text)
+    data["tokens"] = len(ids)
+    need = max(lengths) * (options.get("windows", 1))
+    if len(ids) < need:
+      raise ValueError(
+          f"the text has {len(ids)} tokens, too short for {options.get('windows', 1)} "
+          f"request(s) of {max(lengths)} tokens"
+      )
+  results = _sweep.run(
+      task,
+      model,
+      tokenizer,
+      policies=policies,
+      budgets=budgets,
+      context_tokens=lengths,
+      ids=ids,
+      cases=cases,
+      options=options,
+      config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
+      progress=not args.quiet,
+  )
+  out = pathlib.Path(args.out or f"kvjax-results/{task}")
+  written = _report.write(results, out)
+  print(_report.markdown(results))
+  print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+  failed = sum(r["failed"] for r in results["rows"])
+  if failed:
+    print(f"kvjax {task}: {failed} case(s) failed; see results.md", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _add_eval_options(parser, task: str):
+  parser.set_defaults(func=_evaluate, task=task)
+  parser.add_argument(
+      "--model", default="smollm2-135m-instruct", help="registry name, .gguf or HF dir"
+  )
+  parser.add_argument(
+      "--policy",
+      nargs="+",
+      default=None,
+      help=f"one or several of {', '.join(_policy_names())}, or 'all' (default: all)",
+  )
+  parser.add_argument(
+      "--budget",
+      nargs="+",
+      type=_budget,
+      default=None,
+      help="KV tokens kept per sequence, or fractions of the request like 0.25 (default: 0.5 0.25)",
+  )
+  lengths, quick_lengths = _DEFAULT_LENGTHS[task]
+  parser.add_argument(
+      "--context-tokens",
+      nargs="+",
+      type=int,
+      default=None,
+      help=f"request lengths in tokens (default: {lengths}; --quick: {quick_lengths})",
+  )
+  data = parser.add_mutually_exclusive_group()
+  data.add_argument("--text", default=None, help="UTF-8 text file (default: the shipped text)")
+  data.add_argument(
+      "--jsonl",
+      default=None,
+      help='JSONL file: {"context", "question", "answer"} per line for passkey, {"text"} otherwise',
+  )
+  parser.add_argument(
+      "--out", default=None, help=f"output directory (default: kvjax-results/{task})"
+  )
+  parser.add_argument("--quick", action="store_true", help="a small run (CI)")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  parser.add_argument("--sink", type=int, default=4)
+  parser.add_argument("--recent", type=int, default=None, help="default budget // 4")
+  parser.add_argument("--page-size", type=int, default=16)
+  if task in ("fidelity", "perplexity"):
+    parser.add_argument("--windows", type=int, default=None, help="text windows per length")
+    parser.add_argument("--continuation-tokens", type=int, default=None)
+  if task in ("passkey", "retention"):
+    parser.add_argument("--depths", nargs="+", type=float, default=None)
+  if task == "passkey":
+    parser.add_argument("--trials", type=int, default=None, help="keys per depth")
+  if task == "bench":
+    parser.add_argument("--decode-steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+
+
 def _policy_names():
   from kvjax.policies import POLICIES
 
@@ -204,6 +359,19 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--token-eviction", action="store_true", help="group_size=1 instead of pages")
   demo.add_argument("--seed", type=int, default=0)
   demo.set_defaults(func=_demo)
+  evaluation = sub.add_parser("eval", help="quality of compressed caches vs the full cache")
+  tasks = evaluation.add_subparsers(dest="task", required=True)
+  for task, text in (
+      ("fidelity", "KL and top-1 agreement with the full cache over real text"),
+      ("passkey", "pass-key retrieval accuracy (or your --jsonl questions)"),
+      ("perplexity", "perplexity of real text after a compressed context"),
+      ("retention", "fraction of an unprotected instruction's tokens kept"),
+  ):
+    _add_eval_options(tasks.add_parser(task, help=text), task)
+  _add_eval_options(
+      sub.add_parser("bench", help="KV bytes, prefill and decode latency by request length"),
+      "bench",
+  )
   return parser
 
 

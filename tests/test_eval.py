@@ -48,3 +48,260 @@ def test_compare_predictions_matches_hand_computed_values():
 def test_fidelity_rejects_empty_text():
   with pytest.raises(ValueError, match="non-empty context and continuation, got 0 and 3"):
     E.fidelity(_tiny_model(), None, [], [1, 2, 3])
+
+
+# --- tasks, sweeps and reports (tiny random model with the default model's tokenizer) ---
+
+import json  # noqa: E402
+
+from kvjax.eval import _data, _report, _sweep, _tasks  # noqa: E402
+from models import resolve_model  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return Tokenizer.from_gguf(resolve_model().path)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+  config = ModelConfig(
+      vocab_size=tokenizer.vocab_size,
+      d_model=32,
+      n_layers=2,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      ffn_dim=64,
+      max_context=2048,
+      name="tiny",
+  )
+  return Llama(config, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def text_ids(tokenizer):
+  return tokenizer.encode(E.default_text()[:20000])
+
+
+def test_default_text_ships_with_the_package():
+  text = E.default_text()
+  assert len(text) > 500_000 and "hacker" in text
+
+
+def test_passkey_case_is_exactly_the_requested_length_and_holds_the_key(tokenizer):
+  for depth in (0.0, 0.5, 1.0):
+    ids = _tasks.passkey_case(tokenizer, 300, depth, "48213")
+    opening, _ = _tasks._chat_parts(tokenizer, True)
+    question = _tasks._question_ids(tokenizer, _data.PASSKEY_QUESTION, True)
+    assert len(opening) + len(ids) + len(question) == 300
+    assert "The pass key is 48213." in tokenizer.decode(ids)
+  with pytest.raises(ValueError, match="context_tokens=60 is too short"):
+    _tasks.passkey_case(tokenizer, 60, 0.5, "48213")
+
+
+def test_passkey_counts_every_case_and_reports_answers(model, tokenizer):
+  r = E.passkey(model, tokenizer, context_tokens=200, depths=(0.2, 0.8), trials=2, max_new_tokens=4)
+  assert r["cases"] == 4 and r["failed"] == 0 and len(r["answers"]) == 4
+  assert r["accuracy"] == r["correct"] / 4
+  assert {a["depth"] for a in r["answers"]} == {0.2, 0.8}
+  assert all(a["expected"].isdigit() and len(a["expected"]) == 5 for a in r["answers"])
+
+
+def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
+  text = E.answer(
+      model, tokenizer, "Paris is in France. " * 20, "Where is Paris?", max_new_tokens=3
+  )
+  assert isinstance(text, str)
+  compressed = E.answer(
+      model,
+      tokenizer,
+      "Paris is in France. " * 20,
+      "Where is Paris?",
+      policy="h2o",
+      budget=48,
+      max_new_tokens=3,
+  )
+  assert isinstance(compressed, str)
+  with pytest.raises(ValueError, match="question must be a non-empty string"):
+    E.answer(model, tokenizer, "context", " ")
+  with pytest.raises(ValueError, match="context is empty"):
+    E.answer(model, tokenizer, "", "Why?")
+
+
+@pytest.mark.parametrize(
+    "policy, budget, message",
+    [
+        ("h2o", 900, "budget=900 .900 tokens. is larger than the request of 256 tokens"),
+        ("h2o", 4, r"smaller than the protected sink=4 \+ recent=1 tokens need \(5"),
+        ("h2o", 1.5, r"a fractional budget must be in \(0, 1\), got 1.5"),
+        ("h2o", None, "policy 'h2o' evicts to a budget"),
+        ("nope", 64, "unknown policy 'nope'"),
+    ],
+)
+def test_bad_budgets_and_policies_raise_before_anything_runs(policy, budget, message):
+  with pytest.raises(ValueError, match=message):
+    _tasks.resolve_budget(policy, budget, 256)
+
+
+def test_resolve_budget_rounds_fractions_to_whole_groups():
+  assert _tasks.resolve_budget("full", None, 256) is None
+  assert _tasks.resolve_budget("h2o", 0.3, 256) == 76  # token eviction
+  assert _tasks.resolve_budget("group_history", 0.3, 256) == 64  # whole 16-token pages
+
+
+def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
+    model, tokenizer, text_ids
+):
+  references = {}
+  kwargs = dict(context_tokens=96, continuation_tokens=8, windows=2, references=references)
+  full = E.windowed_fidelity(model, tokenizer, text_ids, **kwargs)
+  assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["ppl"] == full["ppl_full"]
+  assert len(references) == 2 and full["cases"] == 2 and full["failed"] == 0
+  squeezed = E.windowed_fidelity(
+      model, tokenizer, text_ids, policy="tova", budget=32, **kwargs
+  )
+  assert len(references) == 2  # the full cache ran once per window
+  assert squeezed["kl"] > 0.0 and squeezed["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
+  ppl = E.perplexity(model, tokenizer, text_ids, **kwargs)
+  assert set(ppl) == {"ppl", "ppl_full", "peak_kv_bytes", "cases", "failed", "errors"}
+  with pytest.raises(
+      ValueError, match="3 window.s. of 96 context \\+ 8 continuation tokens need 312"
+  ):
+    E.windowed_fidelity(
+        model, tokenizer, text_ids[:300], context_tokens=96, continuation_tokens=8, windows=3
+    )
+
+
+def test_a_crashed_case_is_counted_and_shown_not_skipped(model, tokenizer, text_ids, monkeypatch):
+  real, calls = _tasks.fidelity, []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("boom")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(_tasks, "fidelity", flaky)
+  r = E.windowed_fidelity(
+      model, tokenizer, text_ids, context_tokens=64, continuation_tokens=4, windows=2
+  )
+  assert r["cases"] == 2 and r["failed"] == 1 and r["errors"] == ["RuntimeError: boom"]
+  assert r["kl"] == 0.0  # the mean of the case that ran
+
+
+def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tokenizer, text_ids):
+  full = E.instruction_retention(model, tokenizer, text_ids, context_tokens=256)
+  assert full["retention"] == 1.0 and full["retained_all"] == 1.0 and full["cases"] == 3
+  tight = E.instruction_retention(
+      model, tokenizer, text_ids, context_tokens=256, policy="streaming", budget=64, depths=(0.5,)
+  )
+  # Streaming keeps the sink and the recent window: a mid-context instruction is gone.
+  assert tight["retention"] == 0.0 and tight["cases"] == 1
+  with pytest.raises(ValueError, match="depths must be a non-empty list of fractions"):
+    E.instruction_retention(model, tokenizer, text_ids, context_tokens=256, depths=(1.5,))
+
+
+def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
+    model, tokenizer, text_ids, monkeypatch, tmp_path
+):
+  real = _sweep._run_one
+
+  def crash_on_tova(task, model, tokenizer, length, policy, *args):
+    if policy == "tova":
+      raise RuntimeError("kernel exploded")
+    return real(task, model, tokenizer, length, policy, *args)
+
+  monkeypatch.setattr(_sweep, "_run_one", crash_on_tova)
+  results = E.run_sweep(
+      "fidelity",
+      model,
+      tokenizer,
+      policies=["full", "h2o", "tova"],
+      budgets=[0.5, 32],
+      context_tokens=[64, 96],
+      ids=text_ids,
+      options={"continuation_tokens": 4, "windows": 1},
+      progress=False,
+  )
+  E.validate_results(results)
+  rows = results["rows"]
+  assert len(rows) == 2 * (1 + 2 * 2)
+  crashed = [r for r in rows if r["policy"] == "tova"]
+  assert all(r["failed"] == 1 and r["metrics"]["kl"] is None for r in crashed)
+  assert [r["budget_tokens"] for r in rows[:5]] == [None, 32, 32, 32, 32]
+  written = E.write_results(results, tmp_path)
+  assert json.loads((tmp_path / "results.json").read_text()) == results
+  md = (tmp_path / "results.md").read_text()
+  assert (
+      "## Failed cases" in md and "RuntimeError: kernel exploded" in md and "| tova | 0.5 |" in md
+  )
+  pngs = [p for p in written if p.suffix == ".png"]
+  assert {p.name for p in pngs} == {"kl_vs_budget.png", "top1_vs_budget.png"}
+  assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_bench_sweep_reports_cost_per_length(model, tokenizer, text_ids, tmp_path):
+  results = E.run_sweep(
+      "bench",
+      model,
+      tokenizer,
+      policies=["full", "streaming"],
+      budgets=[32],
+      context_tokens=[64, 128],
+      ids=text_ids,
+      options={"decode_steps": 4, "repeats": 1},
+      progress=False,
+  )
+  E.validate_results(results)
+  by = {(r["policy"], r["context_tokens"]): r["metrics"] for r in results["rows"]}
+  assert by["streaming", 128]["kv_bytes_final"] < by["full", 128]["kv_bytes_final"]
+  assert by["full", 64]["eviction_share"] == 0.0
+  names = {p.name for p in E.write_results(results, tmp_path)}
+  assert {"kv_bytes_peak_vs_length.png", "decode_ms_per_token_vs_length.png"} <= names
+
+
+def test_validate_rejects_results_off_the_schema(model):
+  good = _report.new_results("passkey", model, {})
+  good["rows"].append(
+      {
+          "policy": "full",
+          "budget": None,
+          "budget_tokens": None,
+          "context_tokens": 128,
+          "cases": 2,
+          "failed": 1,
+          "errors": ["RuntimeError: x"],
+          "seconds": 1.0,
+          "metrics": {"accuracy": 0.5, "correct": 1.0, "peak_kv_bytes": None},
+      }
+  )
+  E.validate_results(good)
+  for breaks, message in [
+      (lambda r: r.pop("versions"), "missing 'versions'"),
+      (lambda r: r.update(task="chat"), "task is 'chat'"),
+      (lambda r: r["rows"][0].update(failed=3), "failed/cases = 3/2"),
+      (lambda r: r["rows"][0].update(errors=[]), "has 0 errors"),
+      (lambda r: r["rows"][0]["metrics"].pop("accuracy"), "metrics keys"),
+      (lambda r: r["rows"][0]["metrics"].update(accuracy="high"), "metrics.accuracy = 'high'"),
+      (lambda r: r["rows"][0].update(context_tokens=1.5), "context_tokens = 1.5"),
+  ]:
+    broken = json.loads(json.dumps(good))
+    breaks(broken)
+    with pytest.raises(ValueError, match=message):
+      E.validate_results(broken)
+
+
+def test_data_files_fail_clearly(tmp_path):
+  with pytest.raises(FileNotFoundError, match="cannot read text file .*missing.txt"):
+    _data.read_text(tmp_path / "missing.txt")
+  (tmp_path / "empty.txt").write_text("  \n")
+  with pytest.raises(ValueError, match="is empty"):
+    _data.read_text(tmp_path / "empty.txt")
+  (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
+  with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+    _data.read_jsonl(tmp_path / "bad.jsonl", ("text",))
+  (tmp_path / "field.jsonl").write_text('{"context": "a", "question": "b"}\n')
+  with pytest.raises(ValueError, match=r"field.jsonl:1: needs string field\(s\) \['answer'\]"):
+    _data.read_jsonl(tmp_path / "field.jsonl", ("context", "question", "answer"))

@@ -1,0 +1,199 @@
+"""Sweeps of a task over policies x budgets x request lengths, into one results dict
+(see `kvjax.eval._report` for its schema)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvjax.eval import _report, _tasks
+from kvjax.eval._cost import decode_cost
+from kvjax.policies import POLICIES, get_policy
+
+TASKS = ("fidelity", "passkey", "perplexity", "retention", "bench")
+PLAN_OPTIONS = ("sink", "recent", "page_size", "group_size", "budget_schedule", "per_head")
+
+
+def bench(
+    model,
+    ids: Sequence[int],
+    *,
+    context_tokens: int,
+    policy="full",
+    budget=None,
+    decode_steps: int = 32,
+    repeats: int = 3,
+    **plan_options,
+) -> dict:
+  """Cost of one request of `context_tokens` tokens (prompt from `ids`, then
+  `decode_steps` generated tokens): KV bytes held, prefill seconds, decode ms/token and
+  eviction's share of the decode step (see `decode_cost`)."""
+  prompt = context_tokens - decode_steps
+  if prompt < 1 or len(ids) < prompt:
+    raise ValueError(
+        f"a {context_tokens}-token request with {decode_steps} decode steps needs a prompt of "
+        f"{prompt} tokens; the text has {len(ids)}"
+    )
+  return decode_cost(
+      model,
+      list(ids[:prompt]),
+      policy=policy,
+      budget=budget,
+      decode_steps=decode_steps,
+      repeats=repeats,
+      **plan_options,
+  )
+
+
+def expand_policies(names: Sequence[str]) -> list[str]:
+  """Policy names with "all" expanded; unknown names raise ValueError."""
+  out = []
+  for name in names:
+    for n in POLICIES if name == "all" else [name]:
+      get_policy(n)  # raises on an unknown name
+      if n not in out:
+        out.append(n)
+  if not out:
+    raise ValueError("no policy given")
+  return out
+
+
+def configurations(policies, budgets, lengths):
+  """(length, policy, budget) in run order; the full cache once per length, first."""
+  for length in lengths:
+    if "full" in policies:
+      yield length, "full", None
+    for policy in policies:
+      if policy != "full":
+        for budget in budgets:
+          yield length, policy, budget
+
+
+def run(
+    task: str,
+    model,
+    tokenizer,
+    *,
+    policies: Sequence[str],
+    budgets: Sequence[int | float],
+    context_tokens: Sequence[int],
+    ids: Sequence[int] | None = None,
+    cases: list[dict] | None = None,
+    options: dict | None = None,
+    config: dict | None = None,
+    progress: bool = True,
+) -> dict:
+  """Runs `task` for every (request length, policy, budget) and returns the results.
+
+  `ids` is the text (fidelity, perplexity, retention, bench); `cases` the user's QA records
+  for passkey (synthetic cases otherwise). Every configuration is checked before any runs,
+  so bad input fails fast; a configuration that crashes is recorded as failed.
+  """
+  from tqdm.auto import tqdm
+
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+  options = dict(options or {})
+  policies = expand_policies(policies)
+  if any(p != "full" for p in policies) and not budgets:
+    raise ValueError("policies other than 'full' need at least one --budget")
+  if not context_tokens or any(not isinstance(n, int) or n < 1 for n in context_tokens):
+    raise ValueError(f"context_tokens must be positive ints, got {context_tokens!r}")
+  limit = model.config.max_context
+  for n in context_tokens:
+    if n > limit:
+      raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
+  plan_options = {k: options[k] for k in PLAN_OPTIONS if k in options}
+  grid = list(configurations(policies, budgets, context_tokens))
+  # Budgets in tokens, checked before anything runs; every task gets the same tokens.
+  kept = {c: _tasks.resolve_budget(c[1], c[2], c[0], **plan_options) for c in grid}
+
+  results = _report.new_results(
+      task,
+      model,
+      {
+          **(config or {}),
+          "policies": policies,
+          "budgets": list(budgets),
+          "context_tokens": list(context_tokens),
+          **options,
+      },
+  )
+  references = {}
+  bar = tqdm(grid, desc=f"kvjax {task}", unit="config", disable=not progress, leave=False)
+  for length, policy, budget in bar:
+    bar.set_postfix_str(f"{policy} budget={budget} @{length}")
+    start = time.perf_counter()
+    try:
+      tokens = kept[length, policy, budget]
+      metrics = _run_one(
+          task, model, tokenizer, length, policy, tokens, ids, cases, options, references
+      )
+    except Exception as err:  # noqa: BLE001 - a crashed configuration is a result too
+      metrics = {"cases": 1, "failed": 1, "errors": [f"{type(err).__name__}: {err}"]}
+    results["rows"].append(
+        {
+            "policy": policy,
+            "budget": budget,
+            "budget_tokens": kept[length, policy, budget],
+            "context_tokens": length,
+            "cases": metrics["cases"],
+            "failed": metrics["failed"],
+            "errors": metrics["errors"],
+            "seconds": round(time.perf_counter() - start, 3),
+            "metrics": {m: _number(metrics.get(m)) for m in _report.METRICS[task]},
+            **({"answers": metrics["answers"]} if "answers" in metrics else {}),
+        }
+    )
+  return results
+
+
+def _number(value):
+  return None if value is None else float(value)
+
+
+def _run_one(task, model, tokenizer, length, policy, budget, ids, cases, options, references):
+  """One configuration; `budget` is in tokens (None for the full cache)."""
+  common = dict(
+      policy=policy, budget=budget, **{k: options[k] for k in PLAN_OPTIONS if k in options}
+  )
+  if task == "passkey":
+    return _tasks.passkey(
+        model,
+        tokenizer,
+        context_tokens=length,
+        depths=options.get("depths", (0.1, 0.5, 0.9)),
+        trials=options.get("trials", 1),
+        cases=cases,
+        **common,
+    )
+  if task in ("fidelity", "perplexity"):
+    fn = _tasks.windowed_fidelity if task == "fidelity" else _tasks.perplexity
+    return fn(
+        model,
+        tokenizer,
+        ids,
+        context_tokens=length,
+        continuation_tokens=options["continuation_tokens"],
+        windows=options["windows"],
+        references=references,
+        **common,
+    )
+  if task == "retention":
+    return _tasks.instruction_retention(
+        model,
+        tokenizer,
+        ids,
+        context_tokens=length,
+        depths=options.get("depths", (0.1, 0.5, 0.9)),
+        **common,
+    )
+  metrics = bench(
+      model,
+      ids,
+      context_tokens=length,
+      decode_steps=options.get("decode_steps", 32),
+      repeats=options.get("repeats", 3),
+      **common,
+  )
+  return {**metrics, "cases": 1, "failed": 0, "errors": []}
