@@ -5,16 +5,22 @@ micro-benchmark of kernel vs reference.
   python -m pallas_kernels.gpu_check --dry-run   # anywhere: interpret mode, tiny sizes
 
 Steps:
-1. The kernel test files with KVJAX_PALLAS_INTERPRET=0 (compiled kernels). The kernels are
-   TPU-style (scalar-prefetched page tables), which neither GPU lowering (Triton, Mosaic GPU)
-   supports, so on a GPU their kernel-vs-reference cases skip with that reason; the
-   dispatcher tests (validation, fallback, impl choice) still run on the GPU backend.
-2. On backends that cannot compile the kernels, the same tests in interpret mode, executed
-   by the accelerator's XLA backend (checks the kernel logic under that backend's numerics).
+1. The kernel test files with KVJAX_PALLAS_INTERPRET=0 (compiled kernels). On a GPU that
+   compiles the paged-attention GPU variant (Triton): its own tests and the dispatcher's
+   kernel-vs-reference cases (impl="pallas" takes it on GPU). The output-impact and
+   group-importance kernels are TPU-style (scalar-prefetched page tables), which neither
+   GPU lowering supports, so their kernel cases skip with that reason. `--full` adds the
+   slow full product.
+2. With `--interpret-too`, on backends that cannot compile every kernel, the same tests in
+   interpret mode, executed by the accelerator's XLA backend (the kernel logic under that
+   backend's numerics; costs minutes).
 3. A micro-benchmark at 4k/32k/128k cached tokens per sequence: time per call (median) of
-   the reference (what impl="auto" runs off TPU) and of the kernel where it compiles, and
+   the reference (what impl="auto" runs off TPU) and of the kernel where it compiles (on a
+   GPU: the paged-attention GPU variant, `--num-splits` to override its split count), and
    the achieved GB/s against the bytes the kernel must read (live K/V pages, q, page table;
    for output impact also O and lse; for group importance the scores and protection mask).
+   The dry run times both paged-attention variants in interpret mode (`paged_attn_gpu` is
+   the GPU variant).
 """
 
 from __future__ import annotations
@@ -82,14 +88,13 @@ def benchmark(args) -> list[dict]:
 
   from pallas_kernels.group_importance import group_importance
   from pallas_kernels.output_impact import output_impact
-  from pallas_kernels.paged_attention import paged_attention
+  from pallas_kernels.paged_attention import paged_attention, paged_attention_pallas_gpu
 
   backend = jax.default_backend()
-  compiled = backend == "tpu"
-  interpret = None
-  if args.dry_run:
-    interpret = True
-  kernel_runs = compiled or args.dry_run
+  interpret = True if args.dry_run else None
+  gpu_attention = functools.partial(
+      paged_attention_pallas_gpu, num_splits=args.num_splits, interpret=bool(args.dry_run)
+  )
   dtype = jnp.dtype(args.dtype)
   b, hkv, g, d, ps = args.batch, args.kv_heads, args.group, args.head_dim, args.page_size
   rows = []
@@ -102,14 +107,23 @@ def benchmark(args) -> list[dict]:
     scores = jax.random.uniform(jax.random.key(1), (1, b, hkv, table.shape[-1] * ps))
     protected = jnp.arange(scores.shape[-1]) >= tokens - 64
     protected = jnp.broadcast_to(protected, scores.shape)
-    ops = [
-        ("paged_attention", paged_attention, (q, kp, vp, table, lengths), {}, base),
+    attn_args = (q, kp, vp, table, lengths)
+    # (name, op, args, kwargs, bytes read, kernel: None = the dispatcher's impl="pallas")
+    ops = []
+    if backend == "gpu":
+      ops.append(("paged_attention", paged_attention, attn_args, {}, base, gpu_attention))
+    else:
+      ops.append(("paged_attention", paged_attention, attn_args, {}, base, None))
+      if args.dry_run:
+        ops.append(("paged_attn_gpu", paged_attention, attn_args, {}, base, gpu_attention))
+    ops += [
         (
             "output_impact",
             output_impact,
             (q, kp, vp, table, lengths, out, lse),
             {},
             base + out.size * dtype.itemsize + lse.size * 4,
+            None,
         ),
         (
             "group_importance",
@@ -117,16 +131,20 @@ def benchmark(args) -> list[dict]:
             (scores, ps, protected),
             {},
             scores.size * 4 + protected.size,
+            None,
         ),
     ]
-    for name, fn, op_args, kw, nbytes in ops:
+    for name, fn, op_args, kw, nbytes, kernel in ops:
       if name == "group_importance":
         ref = jax.jit(functools.partial(fn, impl="ref"), static_argnums=1)
       else:
         ref = jax.jit(functools.partial(fn, impl="ref", **kw))
       row = dict(op=name, tokens=tokens, bytes=nbytes)
       row["ref_s"] = _median_seconds(ref, op_args, args.iters)
-      if kernel_runs:
+      kernel_runs = kernel is not None or backend == "tpu" or args.dry_run
+      if kernel is not None:
+        row["kernel_s"] = _median_seconds(jax.jit(kernel), op_args, args.iters)
+      elif kernel_runs:
         kfn = functools.partial(fn, impl="pallas", interpret=interpret, **kw)
         kern = jax.jit(kfn, static_argnums=1) if name == "group_importance" else jax.jit(kfn)
         row["kernel_s"] = _median_seconds(kern, op_args, args.iters)
@@ -158,6 +176,11 @@ def main(argv=None) -> int:
   parser.add_argument("--dry-run", action="store_true", help="interpret mode, tiny sizes")
   parser.add_argument("--skip-tests", action="store_true")
   parser.add_argument("--skip-bench", action="store_true")
+  parser.add_argument("--full", action="store_true", help="compiled tests: the slow product too")
+  parser.add_argument(
+      "--interpret-too", action="store_true", help="then the tests in interpret mode (minutes)"
+  )
+  parser.add_argument("--num-splits", type=int, default=None, help="GPU variant split count")
   parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=None)
   parser.add_argument("--batch", type=int, default=None)
   parser.add_argument("--kv-heads", type=int, default=None)
@@ -185,8 +208,9 @@ def main(argv=None) -> int:
     return 2
   if backend == "gpu":
     print(
-        "note: the kernels are TPU-style (scalar prefetch); the GPU Pallas lowerings do not "
-        "support it, so compiled kernel cases skip and impl='auto' uses the reference here"
+        "note: paged attention runs its GPU variant (Triton) compiled; output impact and "
+        "group importance are TPU-style (scalar prefetch), so their compiled kernel cases "
+        "skip; impl='auto' uses the reference on GPU until this check has passed here"
     )
 
   status = 0
@@ -194,8 +218,8 @@ def main(argv=None) -> int:
     if args.dry_run:  # the subprocess path, quickly: hand-computed cases in interpret mode
       status |= run_tests(True, ["-k", "hand_computed"])
     else:
-      status |= run_tests(False, [])
-      if backend != "tpu":
+      status |= run_tests(False, ["-m", "slow or not slow"] if args.full else [])
+      if backend != "tpu" and args.interpret_too:
         status |= run_tests(True, [])
   if not args.skip_bench:
     print(

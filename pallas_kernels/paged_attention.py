@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 _NEG_INF = -1e30  # finite, so fully masked rows give zeros instead of NaN
@@ -143,9 +144,9 @@ def paged_attention_reference(
 #   Empty rows (length 0 or a padding query) give out = 0, probs = 0 and lse = +inf, so that
 #   exp(logit - lse) = 0 for any consumer of lse (e.g. the output-impact kernel).
 #
-#   Backends: the kernels use scalar prefetch, which only the Mosaic TPU lowering supports
-#   (Triton and Mosaic GPU raise NotImplementedError for it), so impl="auto" picks Pallas
-#   on TPU and the reference on GPU and CPU; impl="pallas" off TPU runs in interpret mode.
+#   Backends: this kernel uses scalar prefetch, which only the Mosaic TPU lowering supports
+#   (Triton and Mosaic GPU raise NotImplementedError for it); GPUs get the Triton-style
+#   variant `paged_attention_pallas_gpu` below. impl="auto" picks Pallas on TPU only.
 # ---------------------------------------------------------------------------------------
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -153,25 +154,28 @@ IMPLS = ("auto", "pallas", "ref")
 _TARGET_BLOCK_TOKENS = 128  # tokens per grid step when pages are small
 
 
-def resolve_impl(impl: str, interpret=None) -> tuple[bool, Any]:
+def resolve_impl(impl: str, interpret=None, *, gpu_kernel: bool = False) -> tuple[bool, Any]:
   """(use_pallas, interpret) for a dispatcher call on the default backend.
 
-  auto: Pallas on TPU, reference elsewhere. pallas: the kernel; compiled on TPU, interpret
-  mode elsewhere unless `interpret` says otherwise. `interpret` is passed on to
-  `pl.pallas_call`: a bool, or `pltpu.InterpretParams(...)` for the TPU interpreter. The
-  environment variable KVJAX_PALLAS_INTERPRET (0/1) sets its default for impl="pallas".
+  auto: Pallas on TPU, reference elsewhere (no GPU kernel has been run on a GPU yet).
+  pallas: the kernel; compiled on TPU, and on GPU for ops with a GPU variant
+  (`gpu_kernel`, so far paged attention); interpret mode elsewhere unless `interpret` says
+  otherwise. `interpret` is passed on to `pl.pallas_call`: a bool, or
+  `pltpu.InterpretParams(...)` for the TPU interpreter. The environment variable
+  KVJAX_PALLAS_INTERPRET (0/1) sets its default for impl="pallas".
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   backend = jax.default_backend()
   if impl == "ref" or (impl == "auto" and backend != "tpu"):
     return False, False
+  compiles = backend == "tpu" or (gpu_kernel and backend == "gpu")
   if interpret is None:
     env = os.environ.get("KVJAX_PALLAS_INTERPRET", "")
-    interpret = (env != "0") if env else backend != "tpu"
-  if not interpret and backend != "tpu":
+    interpret = (env != "0") if env else not compiles
+  if not interpret and not compiles:
     raise NotImplementedError(
-        f"the kvjax Pallas kernels are TPU-style (scalar-prefetched page tables), which the "
+        f"this kvjax Pallas kernel is TPU-style (scalar-prefetched page tables), which the "
         f"{backend!r} backend cannot compile; use interpret=True or impl='ref'/'auto'"
     )
   return True, interpret
@@ -387,17 +391,239 @@ def paged_attention_pallas(
       name="kvjax_paged_attention",
   )(table, lens, q_BxKxGxD, *([k_pages] * ppb), *([v_pages] * ppb))
 
-  # Epilogue (one fused XLA pass): normalise the live logits with the final lse;
-  # never-written blocks and dead slots are masked out by `where`.
-  lse = lse[..., 0]  # [B, Hkv, G]
+  probs = probs_epilogue(logits, lse[..., 0], visible, n, per_query_head)
+  out = out.reshape(b, 1, hq, d)
+  if return_lse:
+    return out, probs, lse.reshape(b, 1, hq)
+  return out, probs
+
+
+def probs_epilogue(logits, lse, visible, n: int, per_query_head: bool):
+  """Probabilities from the kernels' unnormalised logits [B, Hkv, blocks, G, bk] and lse
+  [B, Hkv, G], in one fused XLA pass; never-written blocks and dead slots are masked out by
+  `where`. Returns [B, Hkv, 1, N], or [B, Hq, 1, N] per query head."""
+  b, hkv, num_blocks, g, bk = logits.shape
   slot = jnp.arange(num_blocks * bk).reshape(num_blocks, 1, bk)
-  live = slot < visible[:, :, None, None, None]  # [B, Hkv, M/ppb, 1, bk]
+  live = slot < visible[:, :, None, None, None]  # [B, Hkv, blocks, 1, bk]
   probs = jnp.where(live, jnp.exp(logits - lse[:, :, None, :, None]), 0.0)
   if per_query_head:
-    probs = probs.transpose(0, 1, 3, 2, 4).reshape(b, hq, 1, num_blocks * bk)[..., :n]
-  else:
-    probs = probs.sum(axis=3).reshape(b, hkv, 1, num_blocks * bk)[..., :n]
-  out = out.reshape(b, 1, hq, d)
+    return probs.transpose(0, 1, 3, 2, 4).reshape(b, hkv * g, 1, num_blocks * bk)[..., :n]
+  return probs.sum(axis=3).reshape(b, hkv, 1, num_blocks * bk)[..., :n]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU variant (Triton-style Pallas; no scalar prefetch, no BlockSpecs).
+#
+#   grid = (B, Hkv, splits). Every operand is a whole-array ref in HBM: the program reads
+#   its sequence's length and, block by block, its page numbers from the table, then
+#   gathers those pages from the pools (`k_ref[pages]`, a [ppb, S, D] pointer gather) in a
+#   `lax.fori_loop` whose trip count is the number of *live* blocks of its split, so dead
+#   pages are never read. No K/V is gathered in HBM beforehand.
+#
+#   Triton needs power-of-two tensor shapes and tl.dot needs every dim >= 16, so the G
+#   query heads of a kv head are zero-padded to Gp = max(16, next_pow2(G)) in the wrapper
+#   (q only: a few KiB) and blocks hold ppb * S >= 16 tokens; head dim and page size must
+#   be powers of two (D >= 16). Online softmax over the [Gp, D] block as in the TPU kernel:
+#   logits masked with `where` before exp, dead V rows zeroed, so NaN never leaks.
+#   Offsets are int32 (Triton's default pointer arithmetic): pools of >= 2**31 elements are
+#   rejected before launch.
+#   Precision: float32 uses IEEE f32 dots (Precision.HIGHEST); bfloat16 feeds the tensor
+#   cores bf16 operands with f32 accumulation (the probabilities are rounded to bf16 for
+#   the P.V dot, as in flash attention).
+#
+#   Splits (flash-decoding): one program per (row, kv head) leaves most SMs idle at small
+#   batch, so the live blocks are divided among `splits` programs, each writing a partial
+#   normalised output and lse; a tiny XLA step combines them. The logits keep the same
+#   [B, Hkv, blocks, G, bk] layout as the TPU kernel (rows >= G are masked off at the
+#   store), so `probs_epilogue` and `return_lse` are shared.
+# ---------------------------------------------------------------------------------------
+
+_GPU_MIN_DOT = 16  # tl.dot needs M, N, K >= 16
+_GPU_TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100/H200
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def check_gpu_shapes(q_shape, page_size: int):
+  """ValueError for shapes the Triton kernel cannot tile."""
+  d = q_shape[-1]
+  if not _is_pow2(d) or d < _GPU_MIN_DOT:
+    raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16, got D={d}")
+  if not _is_pow2(page_size):
+    raise ValueError(f"the GPU kernel needs a power-of-two page size, got S={page_size}")
+
+
+def check_gpu_pool_size(k_pages):
+  """ValueError for pools the Triton kernel cannot address (its offsets are int32)."""
+  if k_pages.size >= 2**31:
+    raise ValueError(f"the GPU kernel addresses pools of < 2**31 elements, got {k_pages.shape}")
+
+
+def gpu_pages_per_block(
+    page_size: int, max_pages: int, pages_per_block: int | None, itemsize: int
+) -> int:
+  """Pages per block: the request (default: ~128 tokens of 2-byte K/V, 64 of float32, so
+  that f32 blocks fit twice in shared memory) raised to a power of two and to at least 16
+  tokens, and no larger than the table needs."""
+  if pages_per_block is None:
+    target = _TARGET_BLOCK_TOKENS if itemsize <= 2 else _TARGET_BLOCK_TOKENS // 2
+    pages_per_block = max(1, target // page_size)
+  ppb = _next_pow2(max(1, pages_per_block, -(-_GPU_MIN_DOT // page_size)))
+  return min(ppb, max(_next_pow2(max_pages), -(-_GPU_MIN_DOT // page_size)))
+
+
+def _paged_attention_gpu_kernel(
+    table_ref,  # [B, Hkv, blocks * ppb] int32
+    lengths_ref,  # [B, Hkv] int32, visible slots
+    q_ref,  # [B, Hkv, Gp, D]
+    k_ref,  # [P, S, D]
+    v_ref,  # [P, S, D]
+    out_ref,  # [B, Hkv, splits, Gp, D] f32, normalised within the split
+    logits_ref,  # [B, Hkv, blocks, G, bk] f32
+    lse_ref,  # [B, Hkv, splits, Gp] f32, -inf for an empty split
+    *,
+    scale,
+    group,
+    pages_per_block,
+    blocks_per_split,
+    precision,
+):
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  gp, d = q_ref.shape[2], q_ref.shape[3]
+  page_size = k_ref.shape[1]
+  ppb = pages_per_block
+  bk = ppb * page_size
+  length = lengths_ref[b, h]
+  first = split * blocks_per_split
+  live_blocks = jax.lax.div(length + bk - 1, bk)
+  stop = jnp.minimum(first + blocks_per_split, live_blocks)
+  q = q_ref[b, h]  # [Gp, D], input dtype
+  dims = (((1,), (1,)), ((), ()))
+
+  def body(i, carry):
+    m_prev, l_prev, acc_prev = carry  # [Gp], [Gp], [Gp, D]
+    pages = table_ref[b, h, pl.ds(i * ppb, ppb)]  # [ppb]
+    # Both dots run in q's dtype (tl.dot takes one operand type; no-op when the pools agree).
+    k = k_ref[pages].reshape(bk, d).astype(q.dtype)
+    v = v_ref[pages].reshape(bk, d).astype(q.dtype)
+    s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
+    s = s * scale  # [Gp, bk]
+    slot = i * bk + jax.lax.broadcasted_iota(jnp.int32, (gp, bk), 1)
+    s = jnp.where(slot < length, s, -jnp.inf)
+    # Rows >= G are padding: the masked store keeps the logits [.., G, bk] like the TPU kernel.
+    head = jax.lax.broadcasted_iota(jnp.int32, (gp, bk), 0)
+    pltriton.store(logits_ref.at[b, h, i, pl.ds(0, gp), :], s, mask=head < group)
+    m_new = jnp.maximum(m_prev, s.max(axis=1))  # finite: the block has a live slot
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new[:, None])  # masked slots: exp(-inf) = 0
+    live_row = (i * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, d), 0)) < length
+    v = jnp.where(live_row, v, jnp.zeros_like(v))
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
+
+  init = (
+      jnp.full((gp,), -jnp.inf, jnp.float32),
+      jnp.zeros((gp,), jnp.float32),
+      jnp.zeros((gp, d), jnp.float32),
+  )
+  m, l, acc = jax.lax.fori_loop(first, stop, body, init)  # no trip past the live blocks
+  live = l > 0.0
+  safe_l = jnp.where(live, l, 1.0)
+  out_ref[b, h, split] = jnp.where(live[:, None], acc / safe_l[:, None], 0.0)
+  lse_ref[b, h, split] = jnp.where(live, m + jnp.log(safe_l), -jnp.inf)
+
+
+def paged_attention_pallas_gpu(
+    q: Float[Array, "B 1 Hq D"],
+    k_pages: Float[Array, "P S D"],
+    v_pages: Float[Array, "P S D"],
+    page_table: Int[Array, "B Hkv M"],
+    lengths: Int[Array, "B Hkv"],
+    num_queries: Int[Array, " B"] | None = None,
+    *,
+    scale: float | None = None,
+    per_query_head: bool = False,
+    return_lse: bool = False,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: Any = False,
+):
+  """GPU (Triton) Pallas paged decode attention: the same results and outputs as
+  `paged_attention_pallas`. `pages_per_block` is raised to a power of two of >= 16 tokens;
+  `num_splits` (default: enough programs for ~2 waves on an H100/H200) splits each
+  sequence's blocks among programs. Arguments are not validated here (see
+  `paged_attention`), shapes are (`check_gpu_shapes`).
+  """
+  b, t, hq, d = q.shape
+  if t != 1:
+    raise ValueError(f"paged_attention_pallas_gpu handles decode (T == 1), got T={t}")
+  num_pages, page_size, _ = k_pages.shape
+  check_gpu_shapes(q.shape, page_size)
+  check_gpu_pool_size(k_pages)
+  _, hkv, m = page_table.shape
+  g = hq // hkv
+  gp = max(_GPU_MIN_DOT, _next_pow2(g))
+  n = m * page_size
+  scale = d**-0.5 if scale is None else float(scale)
+  ppb = gpu_pages_per_block(page_size, m, pages_per_block, jnp.dtype(k_pages.dtype).itemsize)
+  bk = ppb * page_size
+  visible = effective_lengths(lengths, num_queries, n)
+  table, lens, num_blocks = prepare_paged_operands(page_table, visible, num_pages, ppb)
+  table, lens = table.reshape(b, hkv, num_blocks * ppb), lens.reshape(b, hkv)
+  if num_splits is None:
+    num_splits = max(1, min(num_blocks, _GPU_TARGET_PROGRAMS // (b * hkv)))
+  blocks_per_split = -(-num_blocks // num_splits)
+  num_splits = -(-num_blocks // blocks_per_split)  # no split left without blocks
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+  q_BxKxGpxD = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+  kernel = functools.partial(
+      _paged_attention_gpu_kernel,
+      scale=scale,
+      group=g,
+      pages_per_block=ppb,
+      blocks_per_split=blocks_per_split,
+      precision=precision,
+  )
+  out_s, logits, lse_s = pl.pallas_call(
+      kernel,
+      grid=(b, hkv, num_splits),
+      out_shape=[
+          jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+          jax.ShapeDtypeStruct((b, hkv, num_blocks, g, bk), jnp.float32),
+          jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="kvjax_paged_attention_gpu",
+  )(table, lens, q_BxKxGpxD, k_pages, v_pages)
+
+  # Combine the splits (flash-decoding): weights exp(lse_s - lse); empty splits weigh 0.
+  out_s, lse_s = out_s[..., :g, :], lse_s[..., :g]  # [B, Hkv, splits, G, D], [.., G]
+  m_max = lse_s.max(axis=2)  # [B, Hkv, G]
+  seen = m_max > -jnp.inf
+  shift = jnp.where(seen, m_max, 0.0)
+  weight = jnp.exp(lse_s - shift[:, :, None])  # [B, Hkv, splits, G]
+  total = weight.sum(axis=2)
+  lse = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), jnp.inf)
+  out = (weight[..., None] * out_s).sum(axis=2) / jnp.where(seen, total, 1.0)[..., None]
+  out = out.astype(q.dtype).reshape(b, 1, hq, d)
+
+  probs = probs_epilogue(logits, lse, visible, n, per_query_head)
   if return_lse:
     return out, probs, lse.reshape(b, 1, hq)
   return out, probs
@@ -448,17 +674,27 @@ def paged_attention(
   """Paged attention with the kernel where it runs (TPU; impl="auto") and the reference
   elsewhere; prefill chunks (T > 1) always take the reference.
 
+  impl="pallas" on a GPU runs the Triton variant (`paged_attention_pallas_gpu`; compiled,
+  or in the generic interpreter with interpret=True); a `pltpu.InterpretParams` as
+  `interpret` always runs the TPU kernel under the TPU interpreter. impl="auto" keeps the
+  reference on GPU until the GPU kernel has been checked on one (docs/kernels.md).
+
   Validates every argument before launching anything: shapes (ValueError), dtypes
   (TypeError; the kernel takes float32/bfloat16 only) and, when the page table is concrete,
   its entries against [0, P) (ValueError). Returns (out, probs), plus the per-query-head
   log-sum-exp [B, T, Hq] with `return_lse`.
   """
-  use_pallas, interpret = resolve_impl(impl, interpret)
+  use_pallas, interpret = resolve_impl(impl, interpret, gpu_kernel=True)
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   check_page_table_range(page_table, k_pages.shape[0])
   if use_pallas and q.shape[1] == 1:
     check_float_dtypes(q=q, k_pages=k_pages, v_pages=v_pages)
-    return paged_attention_pallas(
+    kernel = paged_attention_pallas
+    if jax.default_backend() == "gpu" and not isinstance(interpret, pltpu.InterpretParams):
+      check_gpu_shapes(q.shape, k_pages.shape[1])
+      check_gpu_pool_size(k_pages)
+      kernel = paged_attention_pallas_gpu
+    return kernel(
         q,
         k_pages,
         v_pages,

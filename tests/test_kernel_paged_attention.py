@@ -1,6 +1,8 @@
-"""Pallas paged decode attention against its reference (interpret mode off TPU).
+"""Pallas paged decode attention (TPU kernel and GPU variant) against its reference
+(interpret mode on CPU).
 
-KVJAX_PALLAS_INTERPRET=0 runs the compiled kernels instead (a TPU; elsewhere they skip).
+KVJAX_PALLAS_INTERPRET=0 runs the compiled kernels instead: the TPU kernel on a TPU, the
+GPU variant on a GPU (through the dispatcher too); cases that cannot compile there skip.
 The helpers here are shared by the other kernel test files.
 """
 
@@ -19,6 +21,7 @@ import pallas_kernels.paged_attention as pa
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_lse_reference,
+    paged_attention_pallas_gpu,
     paged_attention_reference,
     resolve_impl,
 )
@@ -32,14 +35,32 @@ PAGES_PER_BLOCK = (None, 1, 2)
 TOL = {"float32": dict(atol=1e-5, rtol=0), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
 
-def kernel_interpret():
+def compiled_kernels() -> bool:
+  return os.environ.get("KVJAX_PALLAS_INTERPRET", "1") == "0"
+
+
+def kernel_interpret(gpu_variant: bool = False):
   """What the tests pass as `interpret`: the TPU interpreter (uninitialised memory reads as
-  NaN, out-of-bounds reads raise) unless KVJAX_PALLAS_INTERPRET=0 asks for compiled kernels."""
-  if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") == "0":
-    if jax.default_backend() != "tpu":
-      pytest.skip(f"the Pallas kernels are TPU-style; {jax.default_backend()} cannot compile them")
+  NaN, out-of-bounds reads raise) unless KVJAX_PALLAS_INTERPRET=0 asks for compiled kernels:
+  on a TPU, or on a GPU where the op has a GPU variant that the dispatcher picks there
+  (`gpu_variant`, paged attention); elsewhere the test skips."""
+  if compiled_kernels():
+    backend = jax.default_backend()
+    if backend != "tpu" and not (gpu_variant and backend == "gpu"):
+      pytest.skip(f"this Pallas kernel is TPU-style; {backend} cannot compile it")
     return False
   return pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+def gpu_interpret():
+  """`interpret` for the GPU variant: the generic interpreter (outputs start as NaN; the TPU
+  interpreter does not run Triton-style kernels), or compiled on a GPU with
+  KVJAX_PALLAS_INTERPRET=0."""
+  if compiled_kernels():
+    if jax.default_backend() != "gpu":
+      pytest.skip(f"the GPU variant compiles for GPUs only, not {jax.default_backend()}")
+    return False
+  return True
 
 
 def lengths_for(kind, page_size):
@@ -145,7 +166,7 @@ def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype
   lengths, m = lengths_for(length_kind, page_size)
   seed = zlib.crc32(repr((page_size, group, head_dim, length_kind, dtype)).encode())
   args = paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype)
-  interpret = kernel_interpret()
+  interpret = kernel_interpret(gpu_variant=True)
   out, probs, lse = jitted(
       paged_attention,
       impl="pallas",
@@ -173,7 +194,10 @@ def test_per_query_head_probabilities(page_size, group, head_dim, dtype):
   lengths, m = lengths_for("ragged", page_size)
   args = paged_problem(3, page_size, 2, group, lengths, m, head_dim, dtype)
   out, probs = jitted(
-      paged_attention, impl="pallas", interpret=kernel_interpret(), per_query_head=True
+      paged_attention,
+      impl="pallas",
+      interpret=kernel_interpret(gpu_variant=True),
+      per_query_head=True,
   )(*args)
   want_out, want_probs = jitted(paged_attention_reference, per_query_head=True)(*args)
   assert probs.shape == want_probs.shape == (len(lengths), 2 * group, 1, m * page_size)
@@ -188,7 +212,11 @@ def test_padding_queries_and_generic_interpreter():
   # generic (non-TPU) interpreter, which is what impl="pallas" uses on CPU by default.
   args = paged_problem(5, 8, 2, 3, [13, 20], 3, 64)
   num_queries = jnp.array([1, 0], jnp.int32)
-  interpret = True if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") != "0" else kernel_interpret()
+  interpret = (
+      True
+      if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") != "0"
+      else kernel_interpret(gpu_variant=True)
+  )
   out, probs, lse = jitted(paged_attention, impl="pallas", interpret=interpret, return_lse=True)(
       *args, num_queries
   )
@@ -201,6 +229,8 @@ def test_padding_queries_and_generic_interpreter():
 
 def test_hand_computed_tiny_case():
   # One kv head, one query head, d=1: logits = q * k / 1 = (0, log 3) -> probs (1/4, 3/4).
+  if compiled_kernels() and jax.default_backend() == "gpu":
+    pytest.skip("d=1 and page size 1 are below the GPU variant's tiles (see the GPU case)")
   k_pages = jnp.array([[[np.nan]], [[0.0]], [[1.0]]], jnp.float32)  # page 0 = null
   v_pages = jnp.array([[[np.nan]], [[4.0]], [[8.0]]], jnp.float32)
   q = jnp.full((1, 1, 1, 1), np.log(3.0), jnp.float32)
@@ -212,7 +242,7 @@ def test_hand_computed_tiny_case():
       table,
       jnp.array([[2]]),
       impl="pallas",
-      interpret=kernel_interpret(),
+      interpret=kernel_interpret(gpu_variant=True),
       pages_per_block=1,
       return_lse=True,
   )
@@ -223,6 +253,7 @@ def test_hand_computed_tiny_case():
 
 def test_prefill_chunks_fall_back_to_the_reference(monkeypatch):
   monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
   rng = np.random.default_rng(2)
   q, kp, vp, table, lens = paged_problem(2, 8, 2, 3, [20, 9], 3, 64)
   q = jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32)
@@ -264,6 +295,7 @@ def _good_args():
 )
 def test_rejects_bad_arguments_before_launch(monkeypatch, change, error, match):
   monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
   args = _good_args()
   args.update(change)
   args = {name: jnp.asarray(x) for name, x in args.items()}
@@ -289,26 +321,33 @@ def test_auto_picks_the_reference_on_cpu(monkeypatch):
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU choice")
   monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
   args = paged_problem(4, 8, 2, 1, [9], 2, 64)
   np.testing.assert_array_equal(paged_attention(*args)[0], paged_attention_reference(*args)[0])
 
 
 @pytest.mark.parametrize(
-    "backend, impl, interpret, expected",
+    "backend, impl, interpret, gpu_kernel, expected",
     [
-        ("tpu", "auto", None, (True, False)),
-        ("tpu", "pallas", True, (True, True)),
-        ("gpu", "auto", None, (False, False)),
-        ("cpu", "auto", None, (False, False)),
-        ("cpu", "pallas", None, (True, True)),
-        ("gpu", "pallas", None, (True, True)),
-        ("cpu", "ref", None, (False, False)),
+        ("tpu", "auto", None, False, (True, False)),
+        ("tpu", "pallas", True, False, (True, True)),
+        ("gpu", "auto", None, False, (False, False)),
+        ("cpu", "auto", None, False, (False, False)),
+        ("cpu", "pallas", None, False, (True, True)),
+        ("gpu", "pallas", None, False, (True, True)),
+        ("cpu", "ref", None, False, (False, False)),
+        # Ops with a GPU variant (paged attention): compiled on GPU, auto still the reference.
+        ("gpu", "auto", None, True, (False, False)),
+        ("gpu", "pallas", None, True, (True, False)),
+        ("gpu", "pallas", True, True, (True, True)),
+        ("cpu", "pallas", None, True, (True, True)),
+        ("tpu", "auto", None, True, (True, False)),
     ],
 )
-def test_resolve_impl(monkeypatch, backend, impl, interpret, expected):
+def test_resolve_impl(monkeypatch, backend, impl, interpret, gpu_kernel, expected):
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   monkeypatch.delenv("KVJAX_PALLAS_INTERPRET", raising=False)
-  assert resolve_impl(impl, interpret) == expected
+  assert resolve_impl(impl, interpret, gpu_kernel=gpu_kernel) == expected
 
 
 def test_resolve_impl_rejects_unknown_impl_and_uncompilable_backends(monkeypatch):
@@ -317,6 +356,9 @@ def test_resolve_impl_rejects_unknown_impl_and_uncompilable_backends(monkeypatch
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with pytest.raises(NotImplementedError, match="TPU-style"):
     resolve_impl("pallas", False)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  with pytest.raises(NotImplementedError, match="cpu"):
+    resolve_impl("pallas", False, gpu_kernel=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -327,3 +369,159 @@ def test_kernel_lowers_for_tpu(dtype):
   fn = jax.jit(functools.partial(pa.paged_attention_pallas, interpret=False, return_lse=True))
   exported = jax.export.export(fn, platforms=["tpu"])(*args)
   assert "tpu_custom_call" in exported.mlir_module()
+
+
+# ---------------------------------------------------------------------------------------
+# GPU variant (Triton-style): the same product, in the generic interpreter on CPU.
+
+
+def gpu_default_subset():
+  """Six cases covering each page size, group, head dim, length kind, dtype and
+  pages_per_block / num_splits choice (each interpret-mode case takes ~2 s)."""
+  return [
+      (8, 1, 64, "ragged", "float32", 1, 4),
+      (8, 3, 128, "boundary", "bfloat16", None, None),
+      (16, 3, 64, "ragged", "bfloat16", 2, None),
+      (16, 8, 128, "full", "float32", None, 2),
+      (64, 1, 128, "one", "bfloat16", 1, 1),
+      (64, 8, 64, "boundary", "float32", 2, 3),
+  ]
+
+
+def gpu_full_product():
+  splits = (None, 1, 2, 4)
+  return [(*c, splits[i % len(splits)]) for i, c in enumerate(full_product())]
+
+
+GPU_CASES = case_params(gpu_default_subset(), gpu_full_product())
+
+
+@pytest.mark.parametrize(CASE_NAMES + ", num_splits", GPU_CASES)
+def test_gpu_kernel_matches_reference(
+    page_size, group, head_dim, length_kind, dtype, pages_per_block, num_splits
+):
+  lengths, m = lengths_for(length_kind, page_size)
+  seed = zlib.crc32(repr((page_size, group, head_dim, length_kind, dtype)).encode())
+  args = paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype)
+  out, probs, lse = jitted(
+      paged_attention_pallas_gpu,
+      interpret=gpu_interpret(),
+      pages_per_block=pages_per_block,
+      num_splits=num_splits,
+      return_lse=True,
+  )(*args)
+  want_out, want_probs = jitted(paged_attention_reference)(*args)
+  want_lse = jitted(paged_attention_lse_reference)(args[0], args[1], args[3], args[4])
+  assert out.dtype == want_out.dtype and out.shape == want_out.shape
+  assert probs.shape == want_probs.shape == (len(lengths), 2, 1, m * page_size)
+  assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(probs).all()
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), **tol)
+  np.testing.assert_allclose(probs, want_probs, **tol)
+  np.testing.assert_allclose(lse, want_lse, **tol)  # +inf rows compare equal
+  live = np.arange(m * page_size) < np.asarray(args[4])[..., None]
+  assert (np.asarray(probs)[:, :, 0][~live] == 0).all()
+
+
+def test_gpu_kernel_per_query_head_and_padding_queries():
+  # Per-query-head probabilities, and num_queries = 0 (a padding row): zeros, lse = +inf.
+  args = paged_problem(7, 8, 2, 3, [13, 20, 5], 4, 64)
+  num_queries = jnp.array([1, 0, 1], jnp.int32)
+  out, probs, lse = jitted(
+      paged_attention_pallas_gpu,
+      interpret=gpu_interpret(),
+      per_query_head=True,
+      return_lse=True,
+      num_splits=2,
+  )(*args, num_queries)
+  want_out, want_probs = jitted(paged_attention_reference, per_query_head=True)(*args, num_queries)
+  assert probs.shape == want_probs.shape == (3, 6, 1, 32)
+  np.testing.assert_allclose(out, want_out, atol=1e-5)
+  np.testing.assert_allclose(probs, want_probs, atol=1e-5)
+  assert (np.asarray(out)[1] == 0).all() and (np.asarray(probs)[1] == 0).all()
+  assert np.isinf(np.asarray(lse)[1]).all() and np.isfinite(np.asarray(lse)[[0, 2]]).all()
+
+
+def test_gpu_kernel_hand_computed_case():
+  # The tiny hand case at the GPU tiles (D = 16, S = 16; only component 0 is non-zero). 17
+  # live slots: page 2 then page 1, read through the table. Logits (scale 1): log 3 at
+  # slot 0, 0 at the other 16, so probs 3/19 and 1/19; out (3 * 8 + 4) / 19; lse log 19.
+  k_pages = np.full((3, 16, 16), np.nan, np.float32)  # page 0 = null, unused slots NaN
+  v_pages = np.full((3, 16, 16), np.nan, np.float32)
+  k_pages[2], v_pages[2], k_pages[1, 0], v_pages[1, 0] = 0.0, 0.0, 0.0, 0.0
+  k_pages[2, 0, 0], v_pages[2, 0, 0], v_pages[1, 0, 0] = 1.0, 8.0, 4.0
+  q = np.zeros((1, 1, 1, 16), np.float32)
+  q[..., 0] = np.log(3.0)
+  out, probs, lse = paged_attention_pallas_gpu(
+      jnp.asarray(q),
+      jnp.asarray(k_pages),
+      jnp.asarray(v_pages),
+      jnp.array([[[2, 1, 0]]], jnp.int32),
+      jnp.array([[17]], jnp.int32),
+      scale=1.0,
+      pages_per_block=1,
+      return_lse=True,
+      interpret=gpu_interpret(),
+  )
+  want_probs = np.r_[3.0, np.ones(16), np.zeros(31)] / 19.0
+  np.testing.assert_allclose(probs[0, 0, 0], want_probs, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(out[0, 0, 0], [28.0 / 19.0] + [0.0] * 15, rtol=1e-6)
+  np.testing.assert_allclose(lse[0, 0, 0], np.log(19.0), rtol=1e-6)
+
+
+def test_dispatcher_runs_the_gpu_variant_on_gpu(monkeypatch):
+  # On a GPU backend impl="pallas" takes the GPU variant (here in the generic interpreter);
+  # a TPU InterpretParams keeps the TPU kernel; shapes below the GPU tiles raise first.
+  if compiled_kernels():
+    pytest.skip("fakes the GPU backend for the interpreter")
+  args = paged_problem(8, 16, 2, 3, [20, 33], 3, 64)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.delenv("KVJAX_PALLAS_INTERPRET", raising=False)
+  calls = []
+  gpu_fn = pa.paged_attention_pallas_gpu
+  monkeypatch.setattr(
+      pa, "paged_attention_pallas_gpu", lambda *a, **k: calls.append(k) or gpu_fn(*a, **k)
+  )
+  out, probs = paged_attention(*args, impl="pallas", interpret=True)
+  assert len(calls) == 1 and calls[0]["interpret"] is True
+  want_out, want_probs = paged_attention_reference(*args)
+  np.testing.assert_allclose(out, want_out, atol=1e-5)
+  np.testing.assert_allclose(probs, want_probs, atol=1e-5)
+
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
+  np.testing.assert_array_equal(paged_attention(*args)[0], want_out)  # auto: the reference
+  monkeypatch.setattr(pa, "paged_attention_pallas", lambda *a, **k: "tpu kernel")
+  assert paged_attention(*args, impl="pallas", interpret=pltpu.InterpretParams()) == "tpu kernel"
+
+  small = {name: jnp.asarray(x) for name, x in _good_args().items()}  # D = 8, S = 4
+  with pytest.raises(ValueError, match="power-of-two head dim >= 16"):
+    paged_attention(**small, impl="pallas", interpret=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_kernel_lowers_for_cuda(dtype):
+  # Cross-platform lowering runs the Pallas -> Triton IR lowering on CPU (no GPU needed):
+  # the module carries the Triton kernel as a custom call that XLA compiles on the device.
+  args = paged_problem(6, 16, 2, 3, [20, 33], 3, 128, dtype)
+  fn = jax.jit(functools.partial(paged_attention_pallas_gpu, interpret=False, return_lse=True))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  # jax.export needs the safety check off: the Triton custom call has no stability guarantee.
+  check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(*args)
+  assert exported.platforms == ("cuda",)
+
+
+@pytest.mark.parametrize(
+    "page_size, max_pages, requested, itemsize, expected",
+    [
+        (16, 64, None, 2, 8),  # 128 tokens of bf16
+        (16, 64, None, 4, 4),  # 64 tokens of f32
+        (8, 64, 1, 2, 2),  # raised to the 16 tokens tl.dot needs
+        (64, 64, 3, 2, 4),  # raised to a power of two
+        (16, 3, None, 2, 4),  # no larger than the (power-of-two padded) table
+        (8, 1, None, 2, 2),  # ... but never below 16 tokens
+    ],
+)
+def test_gpu_pages_per_block(page_size, max_pages, requested, itemsize, expected):
+  assert pa.gpu_pages_per_block(page_size, max_pages, requested, itemsize) == expected
