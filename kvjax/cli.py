@@ -205,12 +205,6 @@ def _evaluate(args) -> int:
       text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
     ids = tokenizer.encode(text)
     data["tokens"] = len(ids)
-    need = max(lengths) * (options.get("windows", 1))
-    if len(ids) < need:
-      raise ValueError(
-          f"the text has {len(ids)} tokens, too short for {options.get('windows', 1)} "
-          f"request(s) of {max(lengths)} tokens"
-      )
   results = _sweep.run(
       task,
       model,

@@ -167,7 +167,7 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
   ppl = E.perplexity(model, tokenizer, text_ids, **kwargs)
   assert set(ppl) == {"ppl", "ppl_full", "peak_kv_bytes", "cases", "failed", "errors"}
   with pytest.raises(
-      ValueError, match="3 window.s. of 96 context \\+ 8 continuation tokens need 312"
+      ValueError, match=r"too short for 3 window.s. of 96 context \+ 8 continuation tokens .312 needed"
   ):
     E.windowed_fidelity(
         model, tokenizer, text_ids[:300], context_tokens=96, continuation_tokens=8, windows=3

@@ -86,8 +86,9 @@ def text_windows(
   span = context_tokens + continuation_tokens
   if len(ids) < span * windows:
     raise ValueError(
-        f"text has {len(ids)} tokens; {windows} window(s) of {context_tokens} context + "
-        f"{continuation_tokens} continuation tokens need {span * windows}"
+        f"the text has {len(ids)} tokens, too short for {windows} window(s) of "
+        f"{context_tokens} context + {continuation_tokens} continuation tokens "
+        f"({span * windows} needed)"
     )
   starts = np.linspace(0, len(ids) - span, windows).astype(int) if windows > 1 else [0]
   return [(ids[s : s + context_tokens], ids[s + context_tokens : s + span]) for s in starts]

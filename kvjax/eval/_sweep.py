@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvjax.eval import _report, _tasks
+from kvjax.eval import _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy
 
@@ -107,6 +107,8 @@ def run(
   grid = list(configurations(policies, budgets, context_tokens))
   # Budgets in tokens, checked before anything runs; every task gets the same tokens.
   kept = {c: _tasks.resolve_budget(c[1], c[2], c[0], **plan_options) for c in grid}
+  for length in context_tokens:
+    _check_data(task, tokenizer, length, ids, cases, options)
 
   results = _report.new_results(
       task,
@@ -146,6 +148,20 @@ def run(
         }
     )
   return results
+
+
+def _check_data(task, tokenizer, length, ids, cases, options):
+  """Raises ValueError when the data cannot make a request of `length` tokens."""
+  if task == "passkey":
+    if cases is None:
+      _tasks.passkey_case(tokenizer, length, 0.5, "00000")
+    return
+  if ids is None:
+    raise ValueError(f"task {task!r} needs text token ids")
+  if task in ("fidelity", "perplexity"):
+    _data.text_windows(list(ids), length, options["continuation_tokens"], options["windows"])
+  elif len(ids) < length:
+    raise ValueError(f"the text has {len(ids)} tokens, too short for a {length}-token request")
 
 
 def _number(value):

@@ -1,0 +1,125 @@
+"""`kvjax eval ...` and `kvjax bench` on the default model, in --quick mode."""
+
+import json
+
+import pytest
+
+from kvjax import cli
+from kvjax import eval as E
+
+
+def _run(tmp_path, capsys, *argv):
+  code = cli.main([*argv, "--quiet", "--out", str(tmp_path)])
+  return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, metric",
+    [
+        (["eval", "fidelity"], "kl"),
+        (["eval", "passkey"], "accuracy"),
+        (["eval", "perplexity"], "ppl"),
+        (["eval", "retention"], "retention"),
+        (["bench"], "decode_ms_per_token"),
+    ],
+)
+def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, argv, metric):
+  code, out = _run(tmp_path, capsys, *argv, "--quick")
+  assert code == 0, out.err
+  results = json.loads((tmp_path / "results.json").read_text())
+  E.validate_results(results)
+  assert results["task"] == (argv[1] if argv[0] == "eval" else "bench")
+  assert results["model"]["name"] == "smollm2-135m-instruct"
+  assert results["config"]["quick"] is True and results["backend"]["platform"] == "cpu"
+  policies = [r["policy"] for r in results["rows"]]
+  assert policies == ["full", "streaming", "h2o"]
+  assert all(r["failed"] == 0 and r["metrics"][metric] is not None for r in results["rows"])
+  assert (tmp_path / "results.md").read_text() in out.out
+  assert list(tmp_path.glob("*.png"))
+
+
+def test_passkey_reports_the_full_cache_accuracy_beside_each_policy(tmp_path, capsys):
+  code, out = _run(
+      tmp_path, capsys, "eval", "passkey", "--quick", "--policy", "full", "tova", "--budget", "0.25"
+  )
+  assert code == 0, out.err
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  full = rows[0]["metrics"]["accuracy"]
+  assert rows[0]["policy"] == "full" and rows[1]["policy"] == "tova"
+  assert "| full-cache accuracy |" in out.out
+  assert f"| {100 * full:.1f}% | 0/1 |" in out.out.rstrip().splitlines()[-1]
+  assert len(rows[1]["answers"]) == 1 and rows[1]["answers"][0]["expected"].isdigit()
+
+
+def test_user_data_text_and_jsonl(tmp_path, capsys):
+  text = tmp_path / "mine.txt"
+  text.write_text(E.default_text()[:8000])
+  code, out = _run(
+      tmp_path / "t",
+      capsys,
+      "eval",
+      "perplexity",
+      "--quick",
+      "--policy",
+      "tova",
+      "--text",
+      str(text),
+  )
+  assert code == 0, out.err
+  results = json.loads((tmp_path / "t" / "results.json").read_text())
+  assert results["config"]["data"] == {"kind": "text", "source": str(text), "tokens": 1615}
+  qa = tmp_path / "qa.jsonl"
+  qa.write_text(
+      json.dumps(
+          {
+              "context": "Alice keeps the spare key under the blue flowerpot. " * 8,
+              "question": "Where is the spare key?",
+              "answer": "flowerpot",
+          }
+      )
+      + "\n"
+  )
+  code, out = _run(
+      tmp_path / "q", capsys, "eval", "passkey", "--policy", "full", "--jsonl", str(qa)
+  )
+  assert code == 0, out.err
+  rows = json.loads((tmp_path / "q" / "results.json").read_text())["rows"]
+  assert rows[0]["cases"] == 1 and rows[0]["answers"][0]["expected"] == "flowerpot"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "fidelity", "--policy", "h2o", "nope"], "unknown policy 'nope'"),
+        (
+            ["eval", "fidelity", "--policy", "h2o", "--budget", "4096", "--context-tokens", "512"],
+            "budget=4096 .4096 tokens. is larger than the request of 512 tokens",
+        ),
+        (
+            ["eval", "retention", "--policy", "h2o", "--budget", "8", "--recent", "16"],
+            r"smaller than the protected sink=4 \+ recent=16",
+        ),
+        (["eval", "perplexity", "--text", "/nonexistent/file.txt"], "cannot read text file"),
+        (["eval", "perplexity", "--text", "EMPTY"], "is empty"),
+        (["eval", "fidelity", "--text", "SHORT", "--context-tokens", "1024"], "too short"),
+        (
+            ["eval", "passkey", "--policy", "full", "--context-tokens", "40"],
+            "too short for a passkey",
+        ),
+        (["bench", "--context-tokens", "9000"], "exceeds the model context 8192"),
+        (["eval", "passkey", "--jsonl", "/nonexistent.jsonl"], "cannot read JSONL file"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, capsys, argv, message):
+  (tmp_path / "empty.txt").write_text("\n")
+  (tmp_path / "short.txt").write_text("A few words only.")
+  argv = [
+      {"EMPTY": str(tmp_path / "empty.txt"), "SHORT": str(tmp_path / "short.txt")}.get(a, a)
+      for a in argv
+  ]
+  code, out = _run(tmp_path / "out", capsys, *argv)
+  assert code == 2
+  [line] = [x for x in out.err.splitlines() if x.startswith("kvjax")]
+  assert line.startswith(f"kvjax {argv[0]}: error: ")
+  assert __import__("re").search(message, line), line
+  assert not (tmp_path / "out" / "results.json").exists()
