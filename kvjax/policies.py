@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import scores as S
 from kvjax.cache import PagedKVCache, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, protection_mask
+from pallas_kernels import output_impact as output_impact_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,8 @@ class AttentionStats:
   probs: Float[Array, "B Hkv T N"]  # summed over the query heads of each kv head
   head_probs: Float[Array, "B Hq T N"] | None  # only when the policy asks for it
   num_new: Int[Array, " B"]
+  lse: Float[Array, "B T Hq"] | None = None  # per-query-head log-sum-exp, if asked for
+  impl: str = "auto"  # the model's attention_impl, for policies that call kernels
 
 
 def read_layer(cache: PagedKVCache, x: Array, layer) -> Array:
@@ -98,6 +101,7 @@ class Policy:
   name: ClassVar[str] = "base"
   token_level: ClassVar[bool] = True  # default eviction granularity: tokens, else pages
   needs_head_probs: ClassVar[bool] = False
+  needs_lse: ClassVar[bool] = False  # stats.lse: the attention's log-sum-exp
   needs_logits: ClassVar[bool] = False  # observe_logits needs logits of every token
 
   def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
@@ -215,30 +219,60 @@ class Random(Policy):
 @dataclasses.dataclass(frozen=True)
 class OutputImpact(Policy):
   """Accumulated exact output impact r_i = a_i/(1-a_i) ||v_i - O|| (summed over the query
-  heads of a kv head) of the last `window` queries of each chunk (every decode query)."""
+  heads of a kv head) of the last `window` queries of each chunk (every decode query).
+
+  In the model it calls the output-impact kernel dispatcher (`impl` = the model's
+  `attention_impl`), which recomputes a_i from q, K and the attention's lse; stats without
+  lse (hand-made ones) take the jnp specification on `head_probs`."""
 
   name: ClassVar[str] = "output_impact"
-  needs_head_probs: ClassVar[bool] = True
+  needs_lse: ClassVar[bool] = True
   window: int = 8
   decay: float = 1.0
 
   def observe(self, cache, stats):
-    b, t, hq, d = stats.q.shape
-    hkv = cache.num_kv_heads
-    w = min(self.window, t)
+    w = min(self.window, stats.q.shape[1])
     # The last w query indices of each row (clamped at 0 for rows with fewer tokens).
     q_idx = jnp.maximum(stats.num_new[:, None] - w + jnp.arange(w), 0)  # [B, W]
-    live_q = (jnp.arange(w) >= w - stats.num_new[:, None]).astype(jnp.float32)  # [B, W]
+    live_q = jnp.arange(w) >= w - stats.num_new[:, None]  # [B, W]
+    if stats.lse is None:
+      impact = self._from_probs(cache, stats, q_idx, live_q)
+    else:
+      impact = self._from_kernel(cache, stats, q_idx, live_q)
+    history = read_layer(cache, cache.score, stats.layer)
+    updated = S.accumulate_history(history, impact, self.decay)
+    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+
+  def _from_kernel(self, cache, stats, q_idx, live_q) -> Float[Array, "B Hkv N"]:
+    rows = jnp.arange(stats.q.shape[0])
+    length = cache.length[stats.layer]  # [B, Hkv], this chunk included
+    impact = 0.0
+    for j in range(q_idx.shape[1]):  # one query per call (the kernel's T == 1); 1 in decode
+      at = q_idx[:, j]  # [B]
+      # The query saw its own slot and those before: not the chunk's later tokens.
+      seen = jnp.where(live_q[:, j, None], length - (stats.num_new - at - 1)[:, None], 0)
+      impact += output_impact_kernel.output_impact(
+          stats.q[rows, at][:, None],
+          cache.k_pages,
+          cache.v_pages,
+          cache.page_table[stats.layer],
+          seen,
+          stats.out[rows, at][:, None],
+          stats.lse[rows, at][:, None],
+          impl=stats.impl,
+      )
+    return impact
+
+  def _from_probs(self, cache, stats, q_idx, live_q) -> Float[Array, "B Hkv N"]:
+    b, t, hq, d = stats.q.shape
+    hkv = cache.num_kv_heads
     probs = jnp.take_along_axis(stats.head_probs, q_idx[:, None, :, None], axis=2)  # [B,Hq,W,N]
     out = jnp.take_along_axis(stats.out, q_idx[:, :, None, None], axis=1)  # [B, W, Hq, D]
     values = read_layer(cache, cache.v_pages, stats.layer)  # [B, Hkv, N, D]
     values = jnp.repeat(values, hq // hkv, axis=1)[:, :, None]  # [B, Hq, 1, N, D]
     impact = S.output_impact(probs, values, out.transpose(0, 2, 1, 3))  # [B, Hq, W, N]
-    impact = jnp.einsum("bhwn,bw->bhn", impact, live_q)
-    impact = impact.reshape(b, hkv, hq // hkv, -1).sum(axis=2)
-    history = read_layer(cache, cache.score, stats.layer)
-    updated = S.accumulate_history(history, impact, self.decay)
-    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+    impact = jnp.einsum("bhwn,bw->bhn", impact, live_q.astype(jnp.float32))
+    return impact.reshape(b, hkv, hq // hkv, -1).sum(axis=2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,10 +164,11 @@ class Llama(nnx.Module):
       )
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
     per_head = policy is not None and policy.needs_head_probs
+    want_lse = policy is not None and policy.needs_lse
 
     def attend(q, k, v, cache, layer):
       cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
-      out, probs = paged_attention(
+      out, probs, *lse = paged_attention(
           q,
           cache.k_pages,
           cache.v_pages,
@@ -175,13 +176,15 @@ class Llama(nnx.Module):
           cache.length[layer],
           num_new,
           per_query_head=per_head,
+          return_lse=want_lse,
           impl=attention_impl,
       )
       if policy is not None:
         head_probs = probs if per_head else None
         if per_head:  # [B, Hq, T, N] -> summed per kv head
           probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
-        stats = AttentionStats(layer, q, out, probs, head_probs, num_new)
+        lse = lse[0] if lse else None
+        stats = AttentionStats(layer, q, out, probs, head_probs, num_new, lse, attention_impl)
         cache = policy.observe(cache, stats)
       return out, cache
 

@@ -310,6 +310,46 @@ def test_output_impact_sums_query_heads_of_a_kv_head():
   np.testing.assert_allclose(score, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("t, impl", [(6, "ref"), (1, "ref"), (1, "pallas")])
+def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl):
+  """The model's path (the dispatcher on q, K, V and the attention's lse) agrees with the
+  jnp specification on per-query-head probabilities, padded rows and short rows included."""
+  from pallas_kernels.paged_attention import paged_attention
+
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32)
+  b, hkv, hq, d = 2, 2, 4, 8
+  rng = np.random.default_rng(0)
+  cache = kvjax.init_cache(cfg, 1, b, hkv, d, chunk=16)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+  cache = kvjax.append(
+      cache, normal(1, b, 9, hkv, d), normal(1, b, 9, hkv, d), jnp.zeros((b, 9), int)
+  )
+  num_new = jnp.array([t, max(t // 2, 1)], jnp.int32)  # row 1 is a short chunk
+  positions = jnp.zeros((b, t), jnp.int32)
+  chunk_k, chunk_v = normal(1, b, t, hkv, d), normal(1, b, t, hkv, d)
+  cache = kvjax.append(cache, chunk_k, chunk_v, positions, num_new)
+  q = normal(b, t, hq, d)
+  out, head_probs, lse = paged_attention(
+      q,
+      cache.k_pages,
+      cache.v_pages,
+      cache.page_table[0],
+      cache.length[0],
+      num_new,
+      per_query_head=True,
+      return_lse=True,
+      impl="ref",
+  )
+  probs = head_probs.reshape(b, hkv, 2, t, -1).sum(2)
+  common = dict(layer=jnp.int32(0), q=q, out=out, probs=probs, num_new=num_new)
+  policy = policies.OutputImpact(window=4)
+  spec = policy.observe(cache, AttentionStats(**common, head_probs=head_probs))
+  kernel = policy.observe(cache, AttentionStats(**common, head_probs=None, lse=lse, impl=impl))
+  want = kvjax.logical_view(spec, spec.score)
+  assert float(jnp.abs(want).max()) > 0
+  np.testing.assert_allclose(kvjax.logical_view(kernel, kernel.score), want, rtol=1e-4, atol=1e-6)
+
+
 def _info_cache(policy):
   """TOKEN_CFG cache where token 5 drew all attention, token 7's hidden state flipped in
   layer 0 (change 1) and the model was unsure at token 9 (entropy log V)."""

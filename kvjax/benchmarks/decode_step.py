@@ -1,0 +1,125 @@
+"""Decode-step cost of every policy against the full cache, and eviction's share of it.
+
+    python -m kvjax.benchmarks.decode_step [--context 8192] [--budget 1024] [--steps 32]
+
+On the default model, prefills `--context - --steps` tokens of text (so that the context and
+the decode steps fit the model's window) under each policy at `--budget` tokens per
+sequence, then times `--steps` greedy decode steps (`kvjax.eval._cost.decode_cost`): median
+decode ms/token, its ratio to the full cache, and eviction's share of a step, amortised over
+the steps (timed against the same loop with eviction off, in the same run). The window
+starts with the cache at its budget, so it sees fewer events than a long run does; the
+steady-state share extrapolates the measured cost per event to the period between events
+(17 steps for token eviction, 32 for page eviction). Prints a markdown table. The issue's
+goal: eviction under 5% of step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import pathlib
+
+import jax
+import numpy as np
+
+from kvjax.eval._cost import decode_cost
+from kvjax.policies import POLICIES
+
+_JARGON = pathlib.Path("/usr/share/doc/jargon-text/jargon.txt.gz")
+GOAL = 0.05  # eviction's share of a decode step
+
+
+def context_ids(tokenizer, count: int, vocab_size: int) -> tuple[list[int], str]:
+  """`count` token ids of real text where some is at hand, else seeded random ids."""
+  text, source = None, None
+  try:
+    from kvjax.eval import default_text
+
+    text, source = default_text(), "kvjax.eval.default_text()"
+  except ImportError:
+    if _JARGON.exists():
+      text = gzip.open(_JARGON, "rt", encoding="utf-8", errors="replace").read()
+      source = str(_JARGON)
+  if text is not None:
+    ids = tokenizer.encode(text)
+    if len(ids) >= count:
+      return ids[:count], source
+  ids = np.random.default_rng(0).integers(0, vocab_size, count).tolist()
+  return ids, "random token ids (no text long enough)"
+
+
+def steady_period(policy: str, page_size: int = 16) -> int:
+  """Decode steps between eviction events once running: a sequence passes its budget by a
+  page plus one token (`plan_cache`'s margin), then loses that excess in whole groups."""
+  group = 1 if POLICIES[policy].token_level else page_size
+  return -(-(page_size + 1) // group) * group
+
+
+def main(argv=None):
+  import models
+
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--context", type=int, default=8192, help="context + decode positions")
+  parser.add_argument("--budget", type=int, default=1024, help="KV tokens per sequence")
+  parser.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--policies", nargs="+", default=None, help="default: all (full always)")
+  parser.add_argument("--attention-impl", default="auto", choices=("auto", "pallas", "ref"))
+  args = parser.parse_args(argv)
+  names = [
+      "full",
+      *(n for n in POLICIES if n != "full" and (not args.policies or n in args.policies)),
+  ]
+  unknown = set(args.policies or ()) - set(POLICIES)
+  if unknown:
+    parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+
+  model, tokenizer = models.load_llama()
+  ids, source = context_ids(tokenizer, args.context - args.steps, model.config.vocab_size)
+  print(
+      f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32; "
+      f"context {len(ids)} tokens ({source}) + {args.steps} decode steps, budget {args.budget} "
+      f"tokens/sequence, median of {args.repeats}"
+  )
+  rows = []
+  for name in names:
+    budget = None if name == "full" else args.budget
+    rows.append(
+        decode_cost(
+            model,
+            ids,
+            policy=name,
+            budget=budget,
+            decode_steps=args.steps,
+            repeats=args.repeats,
+            attention_impl=args.attention_impl,
+        )
+    )
+  full_ms = rows[0]["decode_ms_per_token"]
+  print(
+      "| policy | decode ms/token | / full | eviction ms/token | eviction share | "
+      f"evictions in {args.steps} steps | ms/eviction | steady-state share | < {GOAL:.0%} | "
+      "KV MiB held (peak) | prefill s |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+  for r in rows:
+    evicts, share, events = r["policy"] != "full", r["eviction_share"], r["eviction_events"]
+    raw = f"{r['eviction_ms_per_token']:+.2f}" if evicts else "-"
+    per_event = steady = None
+    if events:
+      per_event = r["eviction_ms_per_token"] * args.steps / events
+      period = steady_period(r["policy"])
+      steady = max(per_event, 0.0) / (per_event + period * r["decode_ms_per_token_no_eviction"])
+    goal = ("yes" if max(share, steady or 0.0) < GOAL else "NO") if evicts else "-"
+    print(
+        f"| {r['policy']} | {r['decode_ms_per_token']:.1f} | "
+        f"{r['decode_ms_per_token'] / full_ms:.2f} | {raw} | {share:.1%} | "
+        f"{events if evicts else '-'} | {'-' if per_event is None else f'{per_event:.0f}'} | "
+        f"{'-' if steady is None else f'{steady:.1%}'} | {goal} | "
+        f"{r['kv_bytes_final'] / 2**20:.1f} ({r['kv_bytes_peak'] / 2**20:.1f}) | "
+        f"{r['prefill_seconds']:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+  main()

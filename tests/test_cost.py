@@ -1,0 +1,102 @@
+"""Decode cost (`kvjax.eval._cost.decode_cost`) on a tiny random model: sane fields, the
+full cache's zero eviction share, a budget's smaller footprint, and argument errors."""
+
+import numpy as np
+import pytest
+
+from kvjax.eval._cost import decode_cost
+from models import ModelConfig
+from models.llama import Llama
+
+CONTEXT = np.random.default_rng(1).integers(3, 259, 90).tolist()
+FIELDS = {
+    "policy",
+    "context_tokens",
+    "budget_tokens",
+    "decode_steps",
+    "decode_ms_per_token",
+    "decode_ms_per_token_no_eviction",
+    "eviction_ms_per_token",
+    "eviction_share",
+    "eviction_events",
+    "kv_bytes_peak",
+    "kv_bytes_final",
+    "prefill_seconds",
+    "prefill_compile_seconds",
+    "decode_compile_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """A random 2-layer GQA Llama (weights from numpy: no per-shape RNG compilations)."""
+  config = ModelConfig(
+      vocab_size=259,
+      d_model=32,
+      n_layers=2,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      ffn_dim=64,
+      max_context=128,
+      name="tiny",
+  )
+  rng = np.random.default_rng(0)
+  params = {
+      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
+      for name, shape in config.param_shapes().items()
+  }
+  return Llama.from_params(config, params)
+
+
+@pytest.fixture(scope="module")
+def full(tiny):
+  return decode_cost(tiny, CONTEXT, decode_steps=16, repeats=1)
+
+
+def test_full_cache_costs_no_eviction(full):
+  assert set(full) == FIELDS
+  assert full["policy"] == "full" and full["budget_tokens"] is None
+  assert full["context_tokens"] == len(CONTEXT) and full["decode_steps"] == 16
+  assert full["eviction_share"] == 0.0 and full["eviction_events"] == 0
+  assert full["eviction_ms_per_token"] == 0.0
+  assert full["decode_ms_per_token"] > 0 and full["prefill_seconds"] > 0
+  # 2 layers x 2 kv heads, each holding the context and the decoded tokens in 16-token pages.
+  page_bytes = 2 * 16 * 8 * 4
+  assert full["kv_bytes_final"] == 2 * 2 * -(-(len(CONTEXT) + 16) // 16) * page_bytes
+  assert full["kv_bytes_peak"] == full["kv_bytes_final"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "group_history"])
+def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, policy):
+  cost = decode_cost(tiny, CONTEXT, policy=policy, budget=48, decode_steps=24, repeats=1)
+  assert set(cost) == FIELDS
+  assert cost["policy"] == policy and cost["budget_tokens"] == 48
+  assert 0.0 <= cost["eviction_share"] <= 1.0
+  assert cost["decode_ms_per_token"] > 0 and cost["decode_ms_per_token_no_eviction"] > 0
+  # At most the budget after prefill: 24 more tokens pass the threshold (budget + a page) once.
+  assert cost["eviction_events"] == 1
+  assert cost["kv_bytes_final"] <= cost["kv_bytes_peak"] < full["kv_bytes_peak"]
+  assert cost["kv_bytes_final"] <= 2 * 2 * (48 + 16) * 2 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    "context, kwargs, message",
+    [
+        ([], {}, "context_ids is empty"),
+        ("some text", {}, "context_ids must be a sequence of token ids"),
+        ([1, 2, 999], {}, r"context_ids has token ids outside \[0, 259\)"),
+        (CONTEXT, {"decode_steps": 0}, "decode_steps must be an int >= 1"),
+        (CONTEXT, {"repeats": 0}, "repeats must be an int >= 1"),
+        (CONTEXT, {"decode_steps": 60}, "exceeds the model context 128"),
+        (
+            CONTEXT,
+            {"policy": "h2o", "budget": 48, "prefill_chunk": 16, "decode_steps": 17},
+            "decode_steps=17 exceeds the prefill chunk",
+        ),
+        (CONTEXT, {"policy": "h2o"}, "pass budget="),
+    ],
+)
+def test_bad_input_raises_value_error_naming_it(tiny, context, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    decode_cost(tiny, context, **kwargs)
