@@ -19,6 +19,7 @@ FIELDS = {
     "eviction_ms_per_token",
     "eviction_share",
     "eviction_events",
+    "eviction_ms_per_event",
     "kv_bytes_peak",
     "kv_bytes_final",
     "prefill_seconds",
@@ -59,7 +60,7 @@ def test_full_cache_costs_no_eviction(full):
   assert full["policy"] == "full" and full["budget_tokens"] is None
   assert full["context_tokens"] == len(CONTEXT) and full["decode_steps"] == 16
   assert full["eviction_share"] == 0.0 and full["eviction_events"] == 0
-  assert full["eviction_ms_per_token"] == 0.0
+  assert full["eviction_ms_per_token"] == 0.0 and full["eviction_ms_per_event"] is None
   assert full["decode_ms_per_token"] > 0 and full["prefill_seconds"] > 0
   # 2 layers x 2 kv heads, each holding the context and the decoded tokens in 16-token pages.
   page_bytes = 2 * 16 * 8 * 4
@@ -75,7 +76,7 @@ def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, p
   assert 0.0 <= cost["eviction_share"] <= 1.0
   assert cost["decode_ms_per_token"] > 0 and cost["decode_ms_per_token_no_eviction"] > 0
   # At most the budget after prefill: 24 more tokens pass the threshold (budget + a page) once.
-  assert cost["eviction_events"] == 1
+  assert cost["eviction_events"] == 1 and isinstance(cost["eviction_ms_per_event"], float)
   assert cost["kv_bytes_final"] <= cost["kv_bytes_peak"] < full["kv_bytes_peak"]
   assert cost["kv_bytes_final"] <= 2 * 2 * (48 + 16) * 2 * 8 * 4
 

@@ -50,7 +50,9 @@ def decode_cost(
 
   Returns a dict: policy, context_tokens, budget_tokens (None for "full"), decode_steps,
   decode_ms_per_token, decode_ms_per_token_no_eviction, eviction_ms_per_token,
-  eviction_share, eviction_events (eviction events within the timed steps), kv_bytes_peak,
+  eviction_share, eviction_events (eviction events within the timed steps),
+  eviction_ms_per_event (an event step's extra time, from the steps run one at a time; None
+  without events), kv_bytes_peak,
   kv_bytes_final, prefill_seconds, prefill_compile_seconds, decode_compile_seconds.
   """
   config = model.config
@@ -139,14 +141,20 @@ def decode_cost(
   with_ms = ms["with"]
   without_ms = ms.get("without", with_ms)
 
-  # Eviction events in the timed window: step the same loop one step at a time.
-  events = 0
+  # Step the same loop one step at a time: which steps evict, and what an event costs (the
+  # event steps against the others; steadier under load than the loop difference).
+  events, per_event = 0, None
   if plan.eviction is not None:
-    decode = fresh()
+    decode, step_ms, evicted = fresh(), [], []
     for step in range(decode_steps):
       before = np.asarray(decode.cache.length)
-      decode, _ = run("with", jnp.int32(step + 1), decode)
-      events += bool((np.asarray(decode.cache.length) < before).any())  # an event drops > 1
+      decode, elapsed = run("with", jnp.int32(step + 1), decode)
+      step_ms.append(1e3 * elapsed)
+      evicted.append(bool((np.asarray(decode.cache.length) < before).any()))  # drops > 1
+    events = sum(evicted)
+    if 0 < events < decode_steps:
+      event_ms = statistics.median(t for t, e in zip(step_ms, evicted) if e)
+      per_event = event_ms - statistics.median(t for t, e in zip(step_ms, evicted) if not e)
 
   page_bytes = final.cache.page_bytes
   return {
@@ -159,6 +167,7 @@ def decode_cost(
       "eviction_ms_per_token": with_ms - without_ms,
       "eviction_share": float(np.clip((with_ms - without_ms) / with_ms, 0.0, 1.0)),
       "eviction_events": events,
+      "eviction_ms_per_event": per_event,
       "kv_bytes_peak": int(final.peak_pages) * page_bytes,
       "kv_bytes_final": final.cache.kv_bytes(),
       "prefill_seconds": prefill_seconds,
