@@ -36,3 +36,28 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   assert (np.asarray(cache.position)[free] == -1).all(), "a free page keeps token positions"
   assert not np.asarray(cache.protected)[free].any(), "a free page keeps protection flags"
   assert not np.asarray(cache.segment)[free].any(), "a free page keeps segment ids"
+
+
+def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0):
+  """A random GQA Llama (d_model 32, 4 query / 2 kv heads, head_dim 8) for tests; weights
+  from numpy, so building one compiles nothing."""
+  from models import ModelConfig
+  from models.llama import Llama
+
+  config = ModelConfig(
+      vocab_size=vocab_size,
+      d_model=32,
+      n_layers=n_layers,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      ffn_dim=64,
+      max_context=max_context,
+      name="tiny",
+  )
+  rng = np.random.default_rng(seed)
+  params = {
+      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
+      for name, shape in config.param_shapes().items()
+  }
+  return Llama.from_params(config, params)

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from kvjax.eval._cost import decode_cost
-from models import ModelConfig
-from models.llama import Llama
+from kvjax.testing import tiny_llama
 
 CONTEXT = np.random.default_rng(1).integers(3, 259, 90).tolist()
 FIELDS = {
@@ -20,6 +19,8 @@ FIELDS = {
     "eviction_share",
     "eviction_events",
     "eviction_ms_per_event",
+    "eviction_period_steps",
+    "eviction_share_steady",
     "kv_bytes_peak",
     "kv_bytes_final",
     "prefill_seconds",
@@ -30,24 +31,7 @@ FIELDS = {
 
 @pytest.fixture(scope="module")
 def tiny():
-  """A random 2-layer GQA Llama (weights from numpy: no per-shape RNG compilations)."""
-  config = ModelConfig(
-      vocab_size=259,
-      d_model=32,
-      n_layers=2,
-      n_heads=4,
-      n_kv_heads=2,
-      head_dim=8,
-      ffn_dim=64,
-      max_context=128,
-      name="tiny",
-  )
-  rng = np.random.default_rng(0)
-  params = {
-      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
-      for name, shape in config.param_shapes().items()
-  }
-  return Llama.from_params(config, params)
+  return tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +45,7 @@ def test_full_cache_costs_no_eviction(full):
   assert full["context_tokens"] == len(CONTEXT) and full["decode_steps"] == 16
   assert full["eviction_share"] == 0.0 and full["eviction_events"] == 0
   assert full["eviction_ms_per_token"] == 0.0 and full["eviction_ms_per_event"] is None
+  assert full["eviction_share_steady"] is None and full["eviction_period_steps"] is None
   assert full["decode_ms_per_token"] > 0 and full["prefill_seconds"] > 0
   # 2 layers x 2 kv heads, each holding the context and the decoded tokens in 16-token pages.
   page_bytes = 2 * 16 * 8 * 4
@@ -77,6 +62,9 @@ def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, p
   assert cost["decode_ms_per_token"] > 0 and cost["decode_ms_per_token_no_eviction"] > 0
   # At most the budget after prefill: 24 more tokens pass the threshold (budget + a page) once.
   assert cost["eviction_events"] == 1 and isinstance(cost["eviction_ms_per_event"], float)
+  # A sequence passes budget + one page every 17 tokens, in whole groups (1 or 16 tokens).
+  assert cost["eviction_period_steps"] == (17 if policy == "h2o" else 32)
+  assert 0.0 <= cost["eviction_share_steady"] < 1.0
   assert cost["kv_bytes_final"] <= cost["kv_bytes_peak"] < full["kv_bytes_peak"]
   assert cost["kv_bytes_final"] <= 2 * 2 * (48 + 16) * 2 * 8 * 4
 

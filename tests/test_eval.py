@@ -1,25 +1,17 @@
+import json
+
 import numpy as np
 import pytest
-from flax import nnx
 
 from kvjax import eval as E
-from models import ModelConfig
-from models.llama import Llama
+from kvjax.eval import _data, _report, _sweep, _tasks
+from kvjax.testing import tiny_llama
+from models import resolve_model
+from models.tokenizer import Tokenizer
 
 
 def _tiny_model():
-  config = ModelConfig(
-      vocab_size=64,
-      d_model=32,
-      n_layers=2,
-      n_heads=4,
-      n_kv_heads=2,
-      head_dim=8,
-      ffn_dim=64,
-      max_context=256,
-      name="tiny",
-  )
-  return Llama(config, rngs=nnx.Rngs(0))
+  return tiny_llama(vocab_size=64, max_context=256)
 
 
 def test_full_cache_fidelity_is_exact_and_compression_is_measured():
@@ -52,12 +44,6 @@ def test_fidelity_rejects_empty_text():
 
 # --- tasks, sweeps and reports (tiny random model with the default model's tokenizer) ---
 
-import json  # noqa: E402
-
-from kvjax.eval import _data, _report, _sweep, _tasks  # noqa: E402
-from models import resolve_model  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -66,18 +52,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-  config = ModelConfig(
-      vocab_size=tokenizer.vocab_size,
-      d_model=32,
-      n_layers=2,
-      n_heads=4,
-      n_kv_heads=2,
-      head_dim=8,
-      ffn_dim=64,
-      max_context=2048,
-      name="tiny",
-  )
-  return Llama(config, rngs=nnx.Rngs(0))
+  return tiny_llama(vocab_size=tokenizer.vocab_size, max_context=2048)
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +134,14 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
   full = E.windowed_fidelity(model, tokenizer, text_ids, **kwargs)
   assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["ppl"] == full["ppl_full"]
   assert len(references) == 2 and full["cases"] == 2 and full["failed"] == 0
-  squeezed = E.windowed_fidelity(
-      model, tokenizer, text_ids, policy="tova", budget=32, **kwargs
-  )
+  squeezed = E.windowed_fidelity(model, tokenizer, text_ids, policy="tova", budget=32, **kwargs)
   assert len(references) == 2  # the full cache ran once per window
   assert squeezed["kl"] > 0.0 and squeezed["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
   ppl = E.perplexity(model, tokenizer, text_ids, **kwargs)
   assert set(ppl) == {"ppl", "ppl_full", "peak_kv_bytes", "cases", "failed", "errors"}
   with pytest.raises(
-      ValueError, match=r"too short for 3 window.s. of 96 context \+ 8 continuation tokens .312 needed"
+      ValueError,
+      match=r"too short for 3 window.s. of 96 context \+ 8 continuation tokens .312 needed",
   ):
     E.windowed_fidelity(
         model, tokenizer, text_ids[:300], context_tokens=96, continuation_tokens=8, windows=3

@@ -13,9 +13,8 @@ from kvjax import generation, policies
 from kvjax import scores as S
 from kvjax.generation import Segment
 from kvjax.policies import AttentionStats, EvictionPlan
-from kvjax.testing import assert_cache_invariants
-from models import ModelConfig, load_llama
-from models.llama import Llama
+from kvjax.testing import assert_cache_invariants, tiny_llama
+from models import load_llama
 
 EVICTING = [name for name in policies.POLICIES if name != "full"]
 
@@ -35,24 +34,7 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny():
-  """A random 4-layer GQA Llama (weights from numpy: no per-shape RNG compilations)."""
-  config = ModelConfig(
-      vocab_size=259,
-      d_model=32,
-      n_layers=4,
-      n_heads=4,
-      n_kv_heads=2,
-      head_dim=8,
-      ffn_dim=64,
-      max_context=256,
-      name="tiny",
-  )
-  rng = np.random.default_rng(0)
-  params = {
-      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
-      for name, shape in config.param_shapes().items()
-  }
-  return Llama.from_params(config, params), ByteTokenizer()
+  return tiny_llama(n_layers=4, max_context=256), ByteTokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -17,43 +17,14 @@ goal: eviction under 5% of step time.
 from __future__ import annotations
 
 import argparse
-import gzip
-import pathlib
 
 import jax
-import numpy as np
 
-from kvjax.eval._cost import decode_cost
+from kvjax.eval import decode_cost, default_text
+from kvjax.eval._data import DEFAULT_TEXT_SOURCE
 from kvjax.policies import POLICIES
 
-_JARGON = pathlib.Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 GOAL = 0.05  # eviction's share of a decode step
-
-
-def context_ids(tokenizer, count: int, vocab_size: int) -> tuple[list[int], str]:
-  """`count` token ids of real text where some is at hand, else seeded random ids."""
-  text, source = None, None
-  try:
-    from kvjax.eval import default_text
-
-    text, source = default_text(), "kvjax.eval.default_text()"
-  except ImportError:
-    if _JARGON.exists():
-      text = gzip.open(_JARGON, "rt", encoding="utf-8", errors="replace").read()
-      source = str(_JARGON)
-  if text is not None:
-    ids = tokenizer.encode(text)
-    if len(ids) >= count:
-      return ids[:count], source
-  ids = np.random.default_rng(0).integers(0, vocab_size, count).tolist()
-  return ids, "random token ids (no text long enough)"
-
-
-def steady_period(policy: str, page_size: int = 16) -> int:
-  """Decode steps between eviction events once running: a sequence passes its budget by a
-  page plus one token (`plan_cache`'s margin), then loses that excess in whole groups."""
-  group = 1 if POLICIES[policy].token_level else page_size
-  return -(-(page_size + 1) // group) * group
 
 
 def main(argv=None):
@@ -76,7 +47,7 @@ def main(argv=None):
     parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
 
   model, tokenizer = models.load_llama()
-  ids, source = context_ids(tokenizer, args.context - args.steps, model.config.vocab_size)
+  ids, source = tokenizer.encode(default_text())[: args.context - args.steps], DEFAULT_TEXT_SOURCE
   print(
       f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32; "
       f"context {len(ids)} tokens ({source}) + {args.steps} decode steps, budget {args.budget} "
@@ -106,11 +77,8 @@ def main(argv=None):
   for r in rows:
     evicts, share, events = r["policy"] != "full", r["eviction_share"], r["eviction_events"]
     raw = f"{r['eviction_ms_per_token']:+.2f}" if evicts else "-"
-    per_event, steady = r["eviction_ms_per_event"], None
-    if per_event is not None:
-      period = steady_period(r["policy"])
-      per_event = max(per_event, 0.0)
-      steady = per_event / (per_event + period * r["decode_ms_per_token_no_eviction"])
+    per_event, steady = r["eviction_ms_per_event"], r["eviction_share_steady"]
+    per_event = None if per_event is None else max(per_event, 0.0)
     judged = share if steady is None else steady
     goal = ("yes" if judged < GOAL else "NO") if evicts else "-"
     print(

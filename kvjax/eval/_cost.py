@@ -52,8 +52,10 @@ def decode_cost(
   decode_ms_per_token, decode_ms_per_token_no_eviction, eviction_ms_per_token,
   eviction_share, eviction_events (eviction events within the timed steps),
   eviction_ms_per_event (an event step's extra time, from the steps run one at a time; None
-  without events), kv_bytes_peak,
-  kv_bytes_final, prefill_seconds, prefill_compile_seconds, decode_compile_seconds.
+  without events), eviction_period_steps (decode steps between events once running),
+  eviction_share_steady (one event's cost over that period: the long-run share; None without
+  events), kv_bytes_peak, kv_bytes_final, prefill_seconds, prefill_compile_seconds,
+  decode_compile_seconds.
   """
   config = model.config
   if isinstance(context_ids, (str, bytes)) or not isinstance(context_ids, (Sequence, np.ndarray)):
@@ -156,6 +158,14 @@ def decode_cost(
       event_ms = statistics.median(t for t, e in zip(step_ms, evicted) if e)
       per_event = event_ms - statistics.median(t for t, e in zip(step_ms, evicted) if not e)
 
+  # Once running, a sequence passes its threshold every `period` tokens (the margin plus
+  # one, in whole groups): the steady-state share spreads one event over that period.
+  steady, period = None, None
+  if per_event is not None:
+    cfg = plan.config
+    period = -(-(cfg.threshold - cfg.budget + 1) // cfg.group_size) * cfg.group_size
+    cost = max(per_event, 0.0)
+    steady = cost / (cost + period * without_ms)
   page_bytes = final.cache.page_bytes
   return {
       "policy": "full" if plan.eviction is None else plan.eviction.policy.name,
@@ -168,6 +178,8 @@ def decode_cost(
       "eviction_share": float(np.clip((with_ms - without_ms) / with_ms, 0.0, 1.0)),
       "eviction_events": events,
       "eviction_ms_per_event": per_event,
+      "eviction_period_steps": period,
+      "eviction_share_steady": steady,
       "kv_bytes_peak": int(final.peak_pages) * page_bytes,
       "kv_bytes_final": final.cache.kv_bytes(),
       "prefill_seconds": prefill_seconds,

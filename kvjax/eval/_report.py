@@ -1,26 +1,5 @@
-"""Results of an evaluation sweep: the JSON schema, its check, Markdown tables and plots.
-
-`results.json` (schema "kvjax-results/1"):
-
-    {
-      "schema": "kvjax-results/1",
-      "task": "fidelity" | "passkey" | "perplexity" | "retention" | "bench",
-      "created": ISO-8601 time (UTC),
-      "versions": {"kvjax", "jax", "jaxlib", "flax", "numpy", "python": str},
-      "backend": {"platform": str, "device_kind": str, "device_count": int},
-      "model": {"name": str, "n_layers", "n_kv_heads", "head_dim", "max_context": int, "dtype": str},
-      "config": {task options: "policies", "budgets", "context_tokens", "data", ...},
-      "rows": [
-        {"policy": str, "budget": int | float | null (as asked; null for "full"),
-         "budget_tokens": int | null (tokens kept per sequence), "context_tokens": int,
-         "cases": int, "failed": int, "errors": [str], "seconds": float,
-         "metrics": {name: float | null for every name in METRICS[task]}}
-      ]
-    }
-
-A metric is null when every case of its row failed; `failed` counts crashed cases and
-`errors` holds their messages.
-"""
+"""Results of an evaluation sweep: the JSON schema ("kvjax-results/1", documented in
+docs/eval.md and checked by `validate`), Markdown tables and PNG plots."""
 
 from __future__ import annotations
 
@@ -54,6 +33,13 @@ QUALITY_PLOTS = {
     "passkey": ("accuracy",),
     "perplexity": ("ppl",),
     "retention": ("retention",),
+}
+LABELS = {
+    "kl": "KL(full || compressed), nats",
+    "top1": "top-1 agreement with the full cache",
+    "accuracy": "passkey accuracy",
+    "ppl": "perplexity of the continuation",
+    "retention": "instruction tokens kept (fraction)",
 }
 COST_PLOTS = {
     "kv_bytes_peak": "peak KV cache (MiB)",
@@ -258,7 +244,7 @@ def plots(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
         xs = [r["budget_tokens"] for r in series]
         ax.plot(xs, [r["metrics"][metric] for r in series], marker="o", label=label)
       ax.set_xlabel("budget (tokens kept per sequence)")
-      ax.set_ylabel(metric)
+      ax.set_ylabel(LABELS[metric])
       ax.set_title(f"{length}-token requests")
       ax.legend(fontsize=7)
     written.append(_save(fig, out / f"{metric}_vs_budget.png"))
