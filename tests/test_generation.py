@@ -28,8 +28,17 @@ class ByteTokenizer:
 
 
 def _tiny_model(max_context=128):
-  config = ModelConfig(vocab_size=259, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                       head_dim=8, ffn_dim=64, max_context=max_context, name="tiny")
+  config = ModelConfig(
+      vocab_size=259,
+      d_model=32,
+      n_layers=2,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      ffn_dim=64,
+      max_context=max_context,
+      name="tiny",
+  )
   return Llama(config, rngs=nnx.Rngs(0))
 
 
@@ -39,8 +48,7 @@ def smollm():
 
 
 def test_paris_from_the_default_model(smollm):
-  result = kvjax.generate(*smollm, ["What is the capital of France?"], chat=True,
-                          max_new_tokens=16)
+  result = kvjax.generate(*smollm, ["What is the capital of France?"], chat=True, max_new_tokens=16)
   assert "Paris" in result.texts[0]
   assert result.finish_reasons == ["stop"]
   stats = result.stats
@@ -68,13 +76,13 @@ def test_decode_compiles_once_for_a_whole_generation(monkeypatch):
 
   monkeypatch.setattr(Llama, "__call__", counting_call)
   generation._COMPILED.clear()
-  result = kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20,
-                          prefill_chunk=4, page_size=4)
+  result = kvjax.generate(
+      model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4, page_size=4
+  )
   assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1
   # One trace for the prefill chunk shape, one for the whole decode loop.
   assert traces == [(1, 4), (1, 1)]
-  kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4,
-                 page_size=4)
+  kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4, page_size=4)
   assert len(traces) == 2, "a second call with the same shapes must not retrace"
 
 
@@ -125,8 +133,9 @@ def test_bad_input_raises_clear_errors(prompts, kwargs, match):
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "kvjax.cli", *args], capture_output=True,
-                        text=True, timeout=300)
+  return subprocess.run(
+      [sys.executable, "-m", "kvjax.cli", *args], capture_output=True, text=True, timeout=300
+  )
 
 
 def test_cli_generate_json_answers_paris():
