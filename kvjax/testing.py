@@ -38,6 +38,19 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   assert not np.asarray(cache.segment)[free].any(), "a free page keeps segment ids"
 
 
+class ByteTokenizer:
+  """Ids are bytes + 3: enough tokenizer for a random model."""
+
+  eos_ids = (2,)
+  chat_template = None
+
+  def encode(self, text):
+    return [b + 3 for b in text.encode()]
+
+  def decode(self, ids, skip_special_tokens=False):
+    return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
+
+
 def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0):
   """A random GQA Llama (d_model 32, 4 query / 2 kv heads, head_dim 8) for tests; weights
   from numpy, so building one compiles nothing."""

@@ -10,21 +10,9 @@ from flax import nnx
 
 import kvjax
 from kvjax import generation
+from kvjax.testing import ByteTokenizer
 from models import ModelConfig, load_llama
 from models.llama import Llama
-
-
-class ByteTokenizer:
-  """Ids are bytes + 3: enough tokenizer for a random model."""
-
-  eos_ids = (2,)
-  chat_template = None
-
-  def encode(self, text):
-    return [b + 3 for b in text.encode()]
-
-  def decode(self, ids, skip_special_tokens=False):
-    return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
 
 
 def _tiny_model(max_context=128):

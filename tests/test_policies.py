@@ -13,23 +13,10 @@ from kvjax import generation, policies
 from kvjax import scores as S
 from kvjax.generation import Segment
 from kvjax.policies import AttentionStats, EvictionPlan
-from kvjax.testing import assert_cache_invariants, tiny_llama
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
 from models import load_llama
 
 EVICTING = [name for name in policies.POLICIES if name != "full"]
-
-
-class ByteTokenizer:
-  """Ids are bytes + 3: enough tokenizer for a random model."""
-
-  eos_ids = (2,)
-  chat_template = None
-
-  def encode(self, text):
-    return [b + 3 for b in text.encode()]
-
-  def decode(self, ids, skip_special_tokens=False):
-    return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
