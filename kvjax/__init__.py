@@ -1,8 +1,22 @@
-"""kvjax: KV-cache compression for JAX."""
+"""kvjax: KV-cache compression for JAX.
+
+The session API (any model with the seam of `kvjax.seam`):
+
+    spec = kvjax.CompressionSpec(policy="h2o", budget=512)
+    state = kvjax.prefill(model, prompts, spec, tokenizer=tokenizer)
+    state, result = kvjax.decode(model, state, max_new_tokens=32)
+    state = kvjax.extend(model, state, follow_ups)
+    a, b = kvjax.fork(state, 2)
+
+`kvjax.generate` does prefill + decode in one call; the cache primitives below (`init_cache`,
+`append`, `evict`) are the layer underneath.
+"""
 
 from kvjax.cache import (
     CacheError,
     PagedKVCache,
+    PageTable,
+    Slot,
     Status,
     append,
     append_layer,
@@ -14,27 +28,52 @@ from kvjax.cache import (
 )
 from kvjax.config import CacheConfig
 from kvjax.eviction import evict, protection_mask
-from kvjax.scores import group_importance
+from kvjax.generation import Generation, GenerationResult, TokenEvent, generate
+from kvjax.prompts import Segment
+from kvjax.seam import ModelShape
+from kvjax.session import (
+    DecodeResult,
+    Sampling,
+    State,
+    compile_stats,
+    decode,
+    extend,
+    fork,
+    prefill,
+)
+from kvjax.spec import CompressionSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheConfig",
     "CacheError",
+    "CompressionSpec",
+    "DecodeResult",
+    "Generation",
+    "GenerationResult",
+    "ModelShape",
+    "PageTable",
     "PagedKVCache",
+    "Sampling",
+    "Segment",
+    "Slot",
+    "State",
     "Status",
+    "TokenEvent",
     "append",
     "append_layer",
     "check_status",
+    "compile_stats",
+    "decode",
     "evict",
-    "group_importance",
+    "extend",
+    "fork",
+    "generate",
     "init_cache",
     "logical_view",
+    "prefill",
     "protection_mask",
     "read_sequence",
     "valid_mask",
 ]
-
-from kvjax.generation import GenerationResult, Segment, TokenEvent, generate  # noqa: E402
-
-__all__ += ["GenerationResult", "Segment", "TokenEvent", "generate"]

@@ -1,25 +1,20 @@
-"""Paged KV cache: a pure pytree, a page allocator that runs inside `jit`, and append/read.
-
-Layout (one logical sequence per layer x batch row x kv head, all sharing one pool):
+"""Paged KV cache: page data, a page-table struct with the allocator that runs inside `jit`,
+and per-slot arrays that the cache and the policies declare.
 
   k_pages, v_pages  [P, S, D]     physical pool; page 0 is the reserved null page
-  position          [P, S] int32  original token position per slot, -1 when empty
-  score             [P, S] f32    the eviction policy's running score per slot
-  protected         [P, S] bool   caller-marked tokens that are never evicted
-  segment           [P, S] int32  caller-marked segment id (0 = none), for fair eviction
-  info              [P, S] f32    per-token information score some policies record
-  page_table        [L, B, H, M]  logical page -> physical page; 0 (null) when unused
-  length            [L, B, H]     live tokens per sequence
-  free_pages        [P]           stack of free physical pages; the first num_free are free
-  num_free          []            size of the free stack
-  status            []            bit set of `Status` flags raised inside jit
+  slots             {name: [P, S]} per-slot arrays declared by `Slot`s: the cache's own
+                                  (position, protected, segment) and the policy's (e.g. score)
+  pages             PageTable     page table [L, B, H, M], lengths [L, B, H], free stack, status
 
 Sequences own exactly their first ceil(length / S) page-table entries. The null page
 keeps every gather in range: unused entries point at it and are masked by `length`.
+Eviction moves and clears every declared slot array together with K/V, so a policy with
+its own per-token state declares a `Slot` and touches nothing here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 
@@ -34,15 +29,34 @@ from kvjax.config import CacheConfig
 NULL_PAGE = 0
 
 
-# Per-slot metadata arrays ([P, S]) and their value in an empty slot. Eviction moves and
-# clears them together with K/V.
-SLOT_METADATA = (
-    ("position", -1),
-    ("score", 0.0),
-    ("protected", False),
-    ("segment", 0),
-    ("info", 0.0),
-)
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """A per-slot array `[P, S]` kept beside K/V: its name, dtype and value in an empty slot.
+
+  New tokens start at `empty` unless `append` writes them (position, protected, segment);
+  freed and vacated slots are reset to `empty`."""
+
+  name: str
+  dtype: str
+  empty: float | int | bool
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name.isidentifier():
+      raise ValueError(f"Slot name must be an identifier, got {self.name!r}")
+    try:
+      np.dtype(self.dtype)
+    except TypeError:
+      raise ValueError(f"Slot {self.name!r}: unknown dtype {self.dtype!r}") from None
+
+  def init(self, num_pages: int, page_size: int) -> Array:
+    return jnp.full((num_pages, page_size), self.empty, jnp.dtype(self.dtype))
+
+
+# The cache's own per-slot arrays; policies declare more (`Policy.slots`).
+POSITION = Slot("position", "int32", -1)  # original token position
+PROTECTED = Slot("protected", "bool", False)  # caller-marked: never evicted
+SEGMENT = Slot("segment", "int32", 0)  # caller-marked segment id (0 = none), for fair eviction
+CACHE_SLOTS = (POSITION, PROTECTED, SEGMENT)
 
 
 class Status(enum.IntFlag):
@@ -59,20 +73,51 @@ class CacheError(RuntimeError):
 
 
 @struct.dataclass
+class PageTable:
+  """Which physical pages each sequence owns, and the allocator's state."""
+
+  table: Int[Array, "L B H M"]  # logical page -> physical page; 0 (null) when unused
+  length: Int[Array, "L B H"]  # live tokens per sequence
+  free_pages: Int[Array, " P"]  # stack of free pages; the first num_free are free
+  num_free: Int[Array, ""]
+  status: Int[Array, ""]  # bit set of `Status` flags raised inside jit
+
+
+@struct.dataclass
 class PagedKVCache:
   k_pages: Float[Array, "P S D"]
   v_pages: Float[Array, "P S D"]
-  position: Int[Array, "P S"]
-  score: Float[Array, "P S"]
-  protected: Bool[Array, "P S"]
-  segment: Int[Array, "P S"]
-  info: Float[Array, "P S"]
-  page_table: Int[Array, "L B H M"]
-  length: Int[Array, "L B H"]
-  free_pages: Int[Array, " P"]
-  num_free: Int[Array, ""]
-  status: Int[Array, ""]
+  slots: dict[str, Array]  # name -> [P, S], one entry per `slot_specs`
+  pages: PageTable
   config: CacheConfig = struct.field(pytree_node=False)
+  slot_specs: tuple[Slot, ...] = struct.field(pytree_node=False, default=CACHE_SLOTS)
+
+  # Read-only shortcuts into the page table; updates go through `pages.replace`.
+  @property
+  def page_table(self) -> Int[Array, "L B H M"]:
+    return self.pages.table
+
+  @property
+  def length(self) -> Int[Array, "L B H"]:
+    return self.pages.length
+
+  @property
+  def status(self) -> Int[Array, ""]:
+    return self.pages.status
+
+  def slot(self, name: str) -> Array:
+    """The per-slot array `name` ([P, S]); KeyError naming the declared slots."""
+    if name not in self.slots:
+      raise KeyError(
+          f"the cache has no slot {name!r}; declared: {', '.join(self.slots)} (a policy "
+          "declares its per-token state in `Policy.slots`)"
+      )
+    return self.slots[name]
+
+  def with_slots(self, **arrays: Array) -> "PagedKVCache":
+    for name in arrays:
+      self.slot(name)
+    return self.replace(slots={**self.slots, **arrays})
 
   @property
   def num_layers(self) -> int:
@@ -121,8 +166,12 @@ def init_cache(
     head_dim: int,
     *,
     chunk: int = 1,
+    slots: tuple[Slot, ...] = (),
 ) -> PagedKVCache:
-  """An empty cache whose pool fits every sequence appending `chunk` tokens at a time."""
+  """An empty cache whose pool fits every sequence appending `chunk` tokens at a time.
+
+  `slots` declares per-slot arrays beyond the cache's own (`CACHE_SLOTS`), e.g. a policy's
+  score history."""
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
   for name, value in [
@@ -133,6 +182,7 @@ def init_cache(
       ("chunk", chunk),
   ]:
     _check_int(name, value)
+  slot_specs = _merge_slots(CACHE_SLOTS, tuple(slots))
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts:
@@ -147,21 +197,31 @@ def init_cache(
   return PagedKVCache(
       k_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
       v_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
-      position=jnp.full((num_pages, ps), -1, jnp.int32),
-      score=jnp.zeros((num_pages, ps), jnp.float32),
-      protected=jnp.zeros((num_pages, ps), bool),
-      segment=jnp.zeros((num_pages, ps), jnp.int32),
-      info=jnp.zeros((num_pages, ps), jnp.float32),
-      page_table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
-      length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
-      # Pop order hands out low page ids first: stack top is at num_free - 1.
-      free_pages=jnp.concatenate(
-          [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
+      slots={spec.name: spec.init(num_pages, ps) for spec in slot_specs},
+      pages=PageTable(
+          table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
+          length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
+          # Pop order hands out low page ids first: stack top is at num_free - 1.
+          free_pages=jnp.concatenate(
+              [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
+          ),
+          num_free=jnp.array(num_pages - 1, jnp.int32),
+          status=jnp.array(Status.OK, jnp.int32),
       ),
-      num_free=jnp.array(num_pages - 1, jnp.int32),
-      status=jnp.array(Status.OK, jnp.int32),
       config=config,
+      slot_specs=slot_specs,
   )
+
+
+def _merge_slots(*groups: tuple[Slot, ...]) -> tuple[Slot, ...]:
+  """Slots in declaration order, each name once; one name declared two ways is an error."""
+  merged: dict[str, Slot] = {}
+  for spec in (s for group in groups for s in group):
+    if not isinstance(spec, Slot):
+      raise TypeError(f"slots must be kvjax.cache.Slot, got {type(spec).__name__}")
+    if merged.setdefault(spec.name, spec) != spec:
+      raise ValueError(f"slot {spec.name!r} declared twice: {merged[spec.name]} and {spec}")
+  return tuple(merged.values())
 
 
 def _exclusive_cumsum(x):
@@ -175,17 +235,18 @@ def _allocate(cache: PagedKVCache, layer, new_length: Int[Array, "B H"]):
   cur = -(-cache.length[layer] // ps)  # [B, H] pages held
   need = -(-new_length // ps) - cur  # [B, H] pages to add (>= 0)
   total = need.sum()
-  fits = (total <= cache.num_free) & (new_length <= cache.config.max_tokens).all()
+  num_free = cache.pages.num_free
+  fits = (total <= num_free) & (new_length <= cache.config.max_tokens).all()
   max_new = table_BxHxM.shape[-1]
   j = jnp.arange(max_new)  # candidate new page index per sequence
   rank = _exclusive_cumsum(need.reshape(-1)).reshape(need.shape)[..., None] + j  # [B, H, M]
   valid = (j < need[..., None]) & fits
-  page = cache.free_pages[jnp.clip(cache.num_free - 1 - rank, 0, cache.num_pages - 1)]
+  page = cache.pages.free_pages[jnp.clip(num_free - 1 - rank, 0, cache.num_pages - 1)]
   slot = jnp.where(valid, cur[..., None] + j, max_new)  # out of range -> dropped
   table_BxHxM = jax.vmap(jax.vmap(lambda t, s, p: t.at[s].set(p, mode="drop")))(
       table_BxHxM, slot, page
   )
-  return table_BxHxM, jnp.where(fits, cache.num_free - total, cache.num_free), fits
+  return table_BxHxM, jnp.where(fits, num_free - total, num_free), fits
 
 
 def append_layer(
@@ -207,11 +268,16 @@ def append_layer(
   sequence would pass `max_tokens`, nothing is written for this layer and the cache's
   status records why (see `check_status`).
   """
-  _validate_append(cache, k, v, positions, num_new, protected, segment, layer_axis=False)
+  k, v, positions, num_new, protected, segment = _validate_append(
+      cache, k, v, positions, num_new, protected, segment, layer_axis=False
+  )
   b, t = positions.shape
-  num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
-  protected = jnp.zeros((b, t), bool) if protected is None else protected
-  segment = jnp.zeros((b, t), jnp.int32) if segment is None else segment
+  num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+  marks = {
+      POSITION.name: positions,
+      PROTECTED.name: jnp.zeros((b, t), bool) if protected is None else protected,
+      SEGMENT.name: jnp.zeros((b, t), jnp.int32) if segment is None else segment,
+  }
   ps = cache.config.page_size
   length = cache.length[layer]  # [B, H]
   new_length = length + num_new[:, None]
@@ -227,18 +293,23 @@ def append_layer(
           new_length.max() > cache.config.max_tokens, Status.OVER_CAPACITY, Status.OUT_OF_PAGES
       ),
   )
+  # New tokens carry the caller's marks; every other declared slot starts empty.
+  slots = {
+      spec.name: cache.slots[spec.name]
+      .at[page, offset]
+      .set(per_token(marks[spec.name]) if spec.name in marks else spec.empty, mode="drop")
+      for spec in cache.slot_specs
+  }
   return cache.replace(
       k_pages=cache.k_pages.at[page, offset].set(k.astype(dtype), mode="drop"),
       v_pages=cache.v_pages.at[page, offset].set(v.astype(dtype), mode="drop"),
-      position=cache.position.at[page, offset].set(per_token(positions), mode="drop"),
-      score=cache.score.at[page, offset].set(0.0, mode="drop"),
-      protected=cache.protected.at[page, offset].set(per_token(protected), mode="drop"),
-      segment=cache.segment.at[page, offset].set(per_token(segment), mode="drop"),
-      info=cache.info.at[page, offset].set(0.0, mode="drop"),
-      page_table=cache.page_table.at[layer].set(table_BxHxM),
-      length=cache.length.at[layer].set(jnp.where(fits, new_length, length)),
-      num_free=num_free,
-      status=status.astype(jnp.int32),
+      slots=slots,
+      pages=cache.pages.replace(
+          table=cache.page_table.at[layer].set(table_BxHxM),
+          length=cache.length.at[layer].set(jnp.where(fits, new_length, length)),
+          num_free=num_free,
+          status=status.astype(jnp.int32),
+      ),
   )
 
 
@@ -269,8 +340,11 @@ def append(
     protected: Bool[Array, "B T"] | None = None,
     segment: Int[Array, "B T"] | None = None,
 ) -> PagedKVCache:
-  """Appends a chunk of T tokens (T = 1 for decode) to every layer, row and kv head."""
-  _validate_append(cache, k, v, positions, num_new, protected, segment, layer_axis=True)
+  """Appends a chunk of T tokens (T = 1 for decode) to every layer, row and kv head.
+  NumPy arrays are accepted wherever arrays are."""
+  k, v, positions, num_new, protected, segment = _validate_append(
+      cache, k, v, positions, num_new, protected, segment, layer_axis=True
+  )
 
   def body(layer, c):
     return append_layer(c, layer, k[layer], v[layer], positions, num_new, protected, segment)
@@ -278,9 +352,17 @@ def append(
   return jax.lax.fori_loop(0, cache.num_layers, body, cache)
 
 
+def _as_array(x):
+  return None if x is None else jnp.asarray(x)
+
+
 def _validate_append(cache, k, v, positions, num_new, protected, segment, *, layer_axis):
+  """Checks shapes and dtypes; returns the arguments as JAX arrays."""
   if not isinstance(cache, PagedKVCache):
     raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+  k, v, positions, num_new, protected, segment = map(
+      _as_array, (k, v, positions, num_new, protected, segment)
+  )
   lead = (cache.num_layers,) if layer_axis else ()
   if getattr(positions, "ndim", None) != 2:
     raise ValueError(f"positions must be [B, T], got shape {getattr(positions, 'shape', None)}")
@@ -298,20 +380,21 @@ def _validate_append(cache, k, v, positions, num_new, protected, segment, *, lay
     raise ValueError(f"chunk of T={t} tokens exceeds max_tokens={cache.config.max_tokens}")
   if not jnp.issubdtype(positions.dtype, jnp.integer):
     raise TypeError(f"positions must be integer, got {positions.dtype}")
-  if num_new is not None and jnp.shape(num_new) != (b,):
-    raise ValueError(f"num_new must be [B] = ({b},), got {jnp.shape(num_new)}")
-  if protected is not None and (jnp.shape(protected) != (b, t) or protected.dtype != bool):
+  if num_new is not None and (
+      num_new.shape != (b,) or not jnp.issubdtype(num_new.dtype, jnp.integer)
+  ):
+    raise ValueError(f"num_new must be [B] = ({b},) integers, got {num_new.shape} {num_new.dtype}")
+  if protected is not None and (protected.shape != (b, t) or protected.dtype != bool):
     raise ValueError(
-        f"protected must be bool [B, T] = ({b}, {t}), got "
-        f"{jnp.shape(protected)} {getattr(protected, 'dtype', None)}"
+        f"protected must be bool [B, T] = ({b}, {t}), got {protected.shape} {protected.dtype}"
     )
   if segment is not None and (
-      jnp.shape(segment) != (b, t) or not jnp.issubdtype(segment.dtype, jnp.integer)
+      segment.shape != (b, t) or not jnp.issubdtype(segment.dtype, jnp.integer)
   ):
     raise ValueError(
-        f"segment must be integer [B, T] = ({b}, {t}), got "
-        f"{jnp.shape(segment)} {getattr(segment, 'dtype', None)}"
+        f"segment must be integer [B, T] = ({b}, {t}), got {segment.shape} {segment.dtype}"
     )
+  return k, v, positions, num_new, protected, segment
 
 
 def logical_view(cache: PagedKVCache, x: Array, layer=None) -> Array:
@@ -341,7 +424,7 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
   n = int(cache.length[layer, row, head])
   table = cache.page_table[layer, row, head]
   take = lambda x: np.asarray(x[table].reshape(-1, *x.shape[2:])[:n])  # noqa: E731
-  return take(cache.k_pages), take(cache.v_pages), take(cache.position)
+  return take(cache.k_pages), take(cache.v_pages), take(cache.slot("position"))
 
 
 def check_status(cache: PagedKVCache) -> None:

@@ -3,111 +3,110 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 
-def _demo(args) -> int:
-  """Streams a synthetic prompt through a bounded paged cache and reports what it did."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  import kvjax
-  from pallas_kernels.paged_attention import paged_attention_reference
-
-  cfg = kvjax.CacheConfig(
-      page_size=args.page_size,
-      max_tokens=args.max_tokens,
-      budget=args.budget,
-      sink=args.sink,
-      recent=args.recent,
-      group_size=1 if args.token_eviction else None,
-  )
-  layers, batch, kv_heads, q_heads, head_dim = 4, 2, 3, 9, 64
-  cache = kvjax.init_cache(cfg, layers, batch, kv_heads, head_dim, chunk=args.chunk)
-  rng = np.random.default_rng(args.seed)
-
-  @jax.jit
-  def step(cache, k, v, q, positions, num_new):
-    cache = kvjax.append(cache, k, v, positions, num_new)
-    _, probs = paged_attention_reference(
-        q, cache.k_pages, cache.v_pages, cache.page_table[0], cache.length[0], num_new
-    )
-    # Attention-history score on layer 0 (every layer uses it here: a demo, not a model).
-    history = kvjax.logical_view(cache, cache.score)[0] + probs.sum(axis=2)
-    scores = jnp.broadcast_to(history, cache.length.shape + history.shape[-1:])
-    peak = cache.pages_in_use().sum()
-    return kvjax.evict(cache, scores=scores), peak
-
-  start, peak_bytes = time.perf_counter(), 0
-  for offset in range(0, args.tokens, args.chunk):
-    t = min(args.chunk, args.tokens - offset)
-    k = jnp.asarray(rng.normal(size=(layers, batch, args.chunk, kv_heads, head_dim)), jnp.float32)
-    q = jnp.asarray(rng.normal(size=(batch, args.chunk, q_heads, head_dim)), jnp.float32)
-    positions = jnp.broadcast_to(jnp.arange(offset, offset + args.chunk), (batch, args.chunk))
-    cache, peak = step(cache, k, k, q, positions.astype(jnp.int32), jnp.full((batch,), t))
-    peak_bytes = max(peak_bytes, int(peak) * cache.page_bytes)
-  kvjax.check_status(cache)
-  elapsed = time.perf_counter() - start
-  full_bytes = layers * batch * kv_heads * 2 * args.tokens * head_dim * 4
-  _, _, kept = kvjax.read_sequence(cache, 0, 0, 0)
-  print(
-      f"streamed {args.tokens} tokens x {batch} rows x {layers} layers x {kv_heads} kv heads "
-      f"in chunks of {args.chunk} ({elapsed:.2f} s on {jax.default_backend()})"
-  )
-  print(
-      f"cache: budget={cfg.budget} sink={cfg.sink} recent={cfg.recent} "
-      f"page_size={cfg.page_size} group_size={cfg.group_size} pool={cache.num_pages} pages"
-  )
-  print(
-      f"tokens held per sequence: {int(cache.length.max())}; pages in use "
-      f"{int(cache.pages_in_use().sum())} of {cache.num_pages - 1}"
-  )
-  print(
-      f"KV bytes held: {int(cache.kv_bytes()):,} (peak {peak_bytes:,}) vs full cache "
-      f"{full_bytes:,} ({full_bytes / max(int(cache.kv_bytes()), 1):.1f}x smaller)"
-  )
-  shown = kept.tolist() if len(kept) <= 16 else kept[:8].tolist() + ["..."] + kept[-8:].tolist()
-  print(f"positions kept in layer 0, row 0, head 0 ({len(kept)}): {shown}")
-  return 0
+# ---- the CompressionSpec and Sampling flags: one table, generated from the dataclasses ----
 
 
-def _generate(args) -> int:
-  """Generates a continuation of PROMPT with a model from the registry (default: SmolLM2)."""
-  import json
+def _budget(text: str) -> int | float:
+  """'512' -> 512 tokens; '0.25' -> a quarter of the prompt."""
+  try:
+    return int(text)
+  except ValueError:
+    try:
+      return float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"budget must be tokens or a fraction, got {text!r}")
 
+
+_SWEPT = ("policy", "budget")  # eval/bench take several of these and run each
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
+  """One flag per field of `cls` (CompressionSpec or Sampling), with its help and choices.
+  Flags default to None: the dataclass's own defaults apply to what the user leaves out."""
+  group = parser.add_argument_group(title)
+  for field in dataclasses.fields(cls):
+    meta = dict(field.metadata)
+    default = field.default
+    help_text = meta.get("help", "") + ("" if default is None else f" (default: {default})")
+    kwargs = {"default": None, "dest": field.name, "help": help_text}
+    if field.name == "policy":
+      kwargs["metavar"] = "POLICY"
+      names = ", ".join(_policy_names()) + (", or 'all'" if sweep else "")
+      kwargs["help"] = f"{meta['help']}; one of {names} (default: {'all' if sweep else default})"
+    elif field.name == "budget":
+      kwargs["type"] = _budget
+    elif isinstance(default, bool):
+      kwargs["action"] = argparse.BooleanOptionalAction
+    elif "choices" in meta:
+      kwargs["choices"] = meta["choices"]
+    elif field.type in ("int", "int | None"):
+      kwargs["type"] = int
+    elif field.type == "float":
+      kwargs["type"] = float
+    if sweep and field.name in _SWEPT:
+      kwargs["nargs"] = "+"
+    group.add_argument(_flag(field.name), **kwargs)
+
+
+def _from_args(cls, args, skip=()):
+  """`cls` built from the flags the user gave (the others keep the dataclass defaults)."""
+  given = {
+      f.name: getattr(args, f.name)
+      for f in dataclasses.fields(cls)
+      if f.name not in skip and getattr(args, f.name, None) is not None
+  }
+  return cls(**given)
+
+
+def spec_from_args(args, sweep: bool = False):
+  """The `CompressionSpec` of a parsed command line (for eval/bench: without the swept
+  policy and budget, which each configuration sets)."""
+  from kvjax.spec import CompressionSpec
+
+  return _from_args(CompressionSpec, args, skip=_SWEPT if sweep else ())
+
+
+def _load(name: str):
   import jax
 
-  import kvjax
   import models
 
   start = time.perf_counter()
-  print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-  model, tokenizer = models.load_llama(args.model)
+  print(f"loading {name} ...", file=sys.stderr, flush=True)
+  model, tokenizer = models.load_llama(name)
   print(
       f"loaded {model.config.name} ({model.config.n_layers} layers) in "
       f"{time.perf_counter() - start:.1f} s on {jax.default_backend()}",
       file=sys.stderr,
       flush=True,
   )
-  options = dict(
-      max_new_tokens=args.max_new_tokens,
-      policy=args.policy,
-      budget=args.budget,
-      sink=args.sink,
-      recent=args.recent,
-      budget_schedule=args.budget_schedule,
-      per_head=args.per_head,
-      chat=args.chat,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-      seed=args.seed,
-      prefill_chunk=args.prefill_chunk,
-  )
+  return model, tokenizer
+
+
+def _generate(args) -> int:
+  """Generates a continuation of PROMPT with a model from the registry (default: SmolLM2)."""
+  import json
+
+  import kvjax
+
+  # The whole command line is checked before the model loads.
+  spec = spec_from_args(args)
+  sampling = _from_args(kvjax.Sampling, args)
+  if args.max_new_tokens < 1:
+    raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  model, tokenizer = _load(args.model)
+  options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, seed=args.seed)
   if args.json:
-    result = kvjax.generate(model, tokenizer, [args.prompt], **options)
+    result = kvjax.generate(model, tokenizer, [args.prompt], spec, **options)
     print(
         json.dumps(
             {
@@ -119,7 +118,7 @@ def _generate(args) -> int:
         )
     )
     return 0
-  generation = kvjax.generate(model, tokenizer, [args.prompt], stream=True, **options)
+  generation = kvjax.generate(model, tokenizer, [args.prompt], spec, stream=True, **options)
   for event in generation:
     print(event.text, end="", flush=True)
   print()
@@ -149,19 +148,15 @@ def _evaluate(args) -> int:
   writes results.json, results.md and plots into --out."""
   import pathlib
 
-  import jax
-
-  import models
   from kvjax.eval import _data, _report, _sweep
 
   task = args.task
   quick = args.quick
+  spec = spec_from_args(args, sweep=True)
   lengths = args.context_tokens or _DEFAULT_LENGTHS[task][1 if quick else 0]
   policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
   budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
-  options = {"sink": args.sink, "page_size": args.page_size}
-  if args.recent is not None:
-    options["recent"] = args.recent
+  options = {}
   if task in ("fidelity", "perplexity"):
     default_continuation = 64 if task == "fidelity" else 128
     options["continuation_tokens"] = args.continuation_tokens or (
@@ -176,15 +171,7 @@ def _evaluate(args) -> int:
     options["decode_steps"] = args.decode_steps or (8 if quick else 32)
     options["repeats"] = args.repeats or (1 if quick else 3)
 
-  start = time.perf_counter()
-  print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-  model, tokenizer = models.load_llama(args.model)
-  print(
-      f"loaded {model.config.name} in {time.perf_counter() - start:.1f} s on "
-      f"{jax.default_backend()}",
-      file=sys.stderr,
-      flush=True,
-  )
+  model, tokenizer = _load(args.model)
   ids, cases = None, None
   if task == "passkey":
     if args.text:
@@ -215,6 +202,7 @@ def _evaluate(args) -> int:
       ids=ids,
       cases=cases,
       options=options,
+      spec=spec,
       config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
       progress=not args.quiet,
   )
@@ -233,19 +221,6 @@ def _add_eval_options(parser, task: str):
   parser.set_defaults(func=_evaluate, task=task)
   parser.add_argument(
       "--model", default="smollm2-135m-instruct", help="registry name, .gguf or HF dir"
-  )
-  parser.add_argument(
-      "--policy",
-      nargs="+",
-      default=None,
-      help=f"one or several of {', '.join(_policy_names())}, or 'all' (default: all)",
-  )
-  parser.add_argument(
-      "--budget",
-      nargs="+",
-      type=_budget,
-      default=None,
-      help="KV tokens kept per sequence, or fractions of the request like 0.25 (default: 0.5 0.25)",
   )
   lengths, quick_lengths = _DEFAULT_LENGTHS[task]
   parser.add_argument(
@@ -267,9 +242,11 @@ def _add_eval_options(parser, task: str):
   )
   parser.add_argument("--quick", action="store_true", help="a small run (CI)")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
-  parser.add_argument("--sink", type=int, default=4)
-  parser.add_argument("--recent", type=int, default=None, help="default budget // 4")
-  parser.add_argument("--page-size", type=int, default=16)
+  from kvjax.spec import CompressionSpec
+
+  _add_dataclass_flags(
+      parser, CompressionSpec, sweep=True, title="compression (policy and budget: one or several)"
+  )
   if task in ("fidelity", "perplexity"):
     parser.add_argument("--windows", type=int, default=None, help="text windows per length")
     parser.add_argument("--continuation-tokens", type=int, default=None)
@@ -288,17 +265,6 @@ def _policy_names():
   return list(POLICIES)
 
 
-def _budget(text: str) -> int | float:
-  """'512' -> 512 tokens; '0.25' -> a quarter of the prompt."""
-  try:
-    return int(text)
-  except ValueError:
-    try:
-      return float(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"budget must be tokens or a fraction, got {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description="KV-cache compression for JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -309,29 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
       default="smollm2-135m-instruct",
       help="registry name, .gguf file or local HF checkpoint directory",
   )
-  gen.add_argument("--policy", default="full", help=f"cache policy: {', '.join(_policy_names())}")
-  gen.add_argument(
-      "--budget",
-      type=_budget,
-      default=None,
-      help="KV tokens kept per sequence, or a fraction of the prompt like 0.25",
-  )
-  gen.add_argument("--sink", type=int, default=4, help="first tokens never evicted")
-  gen.add_argument(
-      "--recent", type=int, default=None, help="last tokens never evicted " "(default budget // 4)"
-  )
-  gen.add_argument("--budget-schedule", choices=("uniform", "pyramid"), default="uniform")
-  gen.add_argument(
-      "--per-head",
-      action="store_true",
-      help="split each layer's budget across kv heads by global top-k",
-  )
+  import kvjax
+
+  _add_dataclass_flags(gen, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
+  _add_dataclass_flags(gen, kvjax.Sampling, title="sampling (kvjax.Sampling)")
   gen.add_argument("--max-new-tokens", type=int, default=64)
-  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-  gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--seed", type=int, default=0)
-  gen.add_argument("--prefill-chunk", type=int, default=256)
   gen.add_argument(
       "--chat",
       action=argparse.BooleanOptionalAction,
@@ -342,17 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
       "--json", action="store_true", help="print one JSON object with text, tokens, stats"
   )
   gen.set_defaults(func=_generate)
-  demo = sub.add_parser("demo", help="stream synthetic tokens through a bounded paged cache")
-  demo.add_argument("--tokens", type=int, default=2048)
-  demo.add_argument("--chunk", type=int, default=128)
-  demo.add_argument("--budget", type=int, default=256)
-  demo.add_argument("--sink", type=int, default=4)
-  demo.add_argument("--recent", type=int, default=32)
-  demo.add_argument("--page-size", type=int, default=16)
-  demo.add_argument("--max-tokens", type=int, default=1024)
-  demo.add_argument("--token-eviction", action="store_true", help="group_size=1 instead of pages")
-  demo.add_argument("--seed", type=int, default=0)
-  demo.set_defaults(func=_demo)
   evaluation = sub.add_parser("eval", help="quality of compressed caches vs the full cache")
   tasks = evaluation.add_subparsers(dest="task", required=True)
   for task, text in (

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import NULL_PAGE, SLOT_METADATA, PagedKVCache, Status, logical_view, valid_mask
-from kvjax.scores import group_importance
+from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, valid_mask
+from pallas_kernels.group_importance import group_importance
 
 
 def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
@@ -25,34 +25,36 @@ def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
       (idx < cfg.sink)
       | (idx >= length - cfg.recent)
       | ~valid_mask(cache)
-      | logical_view(cache, cache.protected)
+      | logical_view(cache, cache.slot("protected"))
   )
 
 
 def evict(
     cache: PagedKVCache,
-    scores: Float[Array, "L B H N"] | None = None,
+    scores: Float[Array, "L B H N"],
     budget: int | Int[Array, "..."] | None = None,
     threshold: int | Int[Array, "..."] | None = None,
+    *,
+    impl: str = "auto",
 ) -> PagedKVCache:
   """Evicts the lowest-importance groups of every sequence longer than the threshold.
 
   Args:
     cache: the cache; sequences with length > config.threshold shrink to <= budget.
-    scores: per-slot scores in logical order [L, B, H, N] (N = max_tokens); defaults
-      to the policy history held in `cache.score`. Higher = more important.
+    scores: per-slot scores in logical order [L, B, H, N] (N = max_tokens), e.g. a
+      policy's `scores(cache, key)`. Higher = more important.
     budget: tokens to keep, broadcastable to [L, B, H] (per-layer or per-head
       budgets); defaults to config.budget.
     threshold: evict sequences longer than this, broadcastable to [L, B, H]; defaults to
       `budget + (config.threshold - config.budget)`.
+    impl: the group-importance kernel ("auto", "pallas" or "ref").
   """
   cfg = cache.config
   if not cfg.evicts:
     return cache
   n = cfg.max_tokens
-  if scores is None:
-    scores = logical_view(cache, cache.score)
-  elif scores.shape != (*cache.length.shape, n):
+  scores = jnp.asarray(scores)
+  if scores.shape != (*cache.length.shape, n):
     raise ValueError(
         f"scores must be [L, B, H, N] = {(*cache.length.shape, n)}, " f"got {scores.shape}"
     )
@@ -65,7 +67,9 @@ def evict(
 
   def run(cache):
     g = cfg.group_size
-    importance = group_importance(scores, g, protection_mask(cache), cfg.group_reduce)
+    importance = group_importance(
+        scores, g, protection_mask(cache), cfg.group_reduce, impl=impl
+    )
     # Static bound: one event may drop up to every group; n_evict picks the dynamic count.
     k = n // g
     neg_top, order = jax.lax.top_k(-importance, k)  # lowest importance first
@@ -78,7 +82,8 @@ def evict(
     short = (take.sum(-1) < n_evict).any()
     status = cache.status | jnp.where(short, Status.OVER_BUDGET, 0).astype(jnp.int32)
     apply = _evict_pages if g > 1 else _evict_tokens
-    return apply(cache, evicted).replace(status=status)
+    cache = apply(cache, evicted)
+    return cache.replace(pages=cache.pages.replace(status=status))
 
   return jax.lax.cond(needs.any(), run, lambda c: c, cache)
 
@@ -93,15 +98,18 @@ def _free(cache: PagedKVCache, freed: Bool[Array, "L B H M"]) -> PagedKVCache:
   """Pushes the pages marked in `freed` (page-table positions) onto the free stack."""
   pages = cache.page_table.reshape(-1)
   flag = freed.reshape(-1)
-  dest = jnp.where(flag, cache.num_free + jnp.cumsum(flag) - 1, cache.num_pages)
+  num_free = cache.pages.num_free
+  dest = jnp.where(flag, num_free + jnp.cumsum(flag) - 1, cache.num_pages)
   drop = jnp.where(flag, pages, cache.num_pages)
   return cache.replace(
-      free_pages=cache.free_pages.at[dest].set(pages, mode="drop"),
-      num_free=cache.num_free + flag.sum(),
-      # Freed pages carry no metadata into their next owner.
-      **{
-          name: getattr(cache, name).at[drop].set(empty, mode="drop")
-          for name, empty in SLOT_METADATA
+      pages=cache.pages.replace(
+          free_pages=cache.pages.free_pages.at[dest].set(pages, mode="drop"),
+          num_free=num_free + flag.sum(),
+      ),
+      # Freed pages carry no per-slot state into their next owner.
+      slots={
+          spec.name: cache.slots[spec.name].at[drop].set(spec.empty, mode="drop")
+          for spec in cache.slot_specs
       },
   )
 
@@ -114,7 +122,7 @@ def _evict_pages(cache: PagedKVCache, evicted: Bool[Array, "L B H M"]) -> PagedK
       _compact_index(keep).reshape(-1, cache.config.max_pages),
   ).reshape(cache.page_table.shape)
   length = cache.length - evicted.sum(-1) * cache.config.page_size
-  return cache.replace(page_table=table, length=length)
+  return cache.replace(pages=cache.pages.replace(table=table, length=length))
 
 
 def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> PagedKVCache:
@@ -133,7 +141,7 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
   def move(x):
     return x.at[dst_page, dst_off].set(x[src_page, src_off], mode="drop")
 
-  # Slots left behind the new tail hold stale metadata: clear it.
+  # Slots left behind the new tail hold stale state: clear it.
   idx = jnp.arange(cache.config.max_tokens)
   stale = (idx >= new_length[..., None]) & (idx < cache.length[..., None])
   stale_page = jnp.where(stale, src_page, cache.num_pages)
@@ -144,11 +152,17 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
   cache = cache.replace(
       k_pages=move(cache.k_pages),
       v_pages=move(cache.v_pages),
-      **{name: clear(move(getattr(cache, name)), empty) for name, empty in SLOT_METADATA},
+      slots={
+          spec.name: clear(move(cache.slots[spec.name]), spec.empty) for spec in cache.slot_specs
+      },
   )
   held = -(-cache.length // ps)
   kept_pages = -(-new_length // ps)
   page_idx = jnp.arange(m)
   freed = (page_idx >= kept_pages[..., None]) & (page_idx < held[..., None])
   cache = _free(cache, freed)
-  return cache.replace(page_table=jnp.where(freed, NULL_PAGE, cache.page_table), length=new_length)
+  return cache.replace(
+      pages=cache.pages.replace(
+          table=jnp.where(freed, NULL_PAGE, cache.page_table), length=new_length
+      )
+  )

@@ -1,7 +1,8 @@
 """Eviction policies: what each token's score is, and how budgets are spread.
 
-A policy is a frozen dataclass (hashable, so jitted code specialises on it) with up to four
-hooks, all pure functions of the cache:
+A policy is a frozen dataclass (hashable, so jitted code specialises on it) that declares
+the per-token state it keeps (`slots`: name, dtype, empty value; the cache allocates them and
+eviction moves them with K/V) and has up to four hooks, all pure functions of the cache:
 
   observe(cache, stats)        after each layer's attention: update the score history
   observe_layer(cache, ...)    after each layer: per-token signals from hidden states
@@ -24,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import scores as S
-from kvjax.cache import PagedKVCache, logical_view, token_coordinates, valid_mask
+from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, protection_mask
 from pallas_kernels import output_impact as output_impact_kernel
 
@@ -43,25 +44,30 @@ class AttentionStats:
   impl: str = "auto"  # the model's attention_impl, for policies that call kernels
 
 
-def read_layer(cache: PagedKVCache, x: Array, layer) -> Array:
-  """A per-slot array ([P, S]) of one layer in logical order: [B, H, N]."""
-  return logical_view(cache, x, layer)
+SCORE = Slot("score", "float32", 0.0)  # a policy's running per-token score
+INFO = Slot("info", "float32", 0.0)  # info_aware's per-token information
 
 
-def write_layer(cache: PagedKVCache, x: Array, layer, values: Float[Array, "B H N"]) -> Array:
-  """Writes logical-order values of one layer's live slots back into a per-slot array."""
+def read_layer(cache: PagedKVCache, name: str, layer) -> Array:
+  """The per-slot array `name` of one layer in logical order: [B, H, N]."""
+  return logical_view(cache, cache.slot(name), layer)
+
+
+def write_layer(cache: PagedKVCache, name: str, layer, values: Float[Array, "B H N"]):
+  """The cache with logical-order `values` written to one layer's live slots of `name`."""
+  x = cache.slot(name)
   ps = cache.config.page_size
   pages = jnp.repeat(cache.page_table[layer], ps, axis=-1)  # [B, H, N]
   pages = jnp.where(valid_mask(cache, layer), pages, cache.num_pages)
   offsets = jnp.arange(cache.config.max_tokens) % ps
-  return x.at[pages, offsets].set(values.astype(x.dtype), mode="drop")
+  return cache.with_slots(**{name: x.at[pages, offsets].set(values.astype(x.dtype), mode="drop")})
 
 
 def write_new_tokens(
-    cache: PagedKVCache, x: Array, layer, values: Float[Array, "B T"], num_new, *, add=False
+    cache: PagedKVCache, name: str, layer, values: Float[Array, "B T"], num_new, *, add=False
 ):
-  """Sets (or adds to) per-token values of the tokens just appended to one layer: the last
-  num_new[b] tokens of every kv head of row b."""
+  """The cache with per-token `values` set (or added) in slot `name` for the tokens just
+  appended to one layer: the last num_new[b] tokens of every kv head of row b."""
   b, t = values.shape
   page, offset = token_coordinates(
       cache.page_table[layer],
@@ -72,8 +78,10 @@ def write_new_tokens(
       cache.num_pages,
   )
   values = jnp.broadcast_to(values[..., None], page.shape)
-  at = x.at[page, offset]
-  return at.add(values, mode="drop") if add else at.set(values, mode="drop")
+  at = cache.slot(name).at[page, offset]
+  return cache.with_slots(
+      **{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")}
+  )
 
 
 def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
@@ -96,9 +104,10 @@ def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """Base policy: keeps the score history in `cache.score` unchanged (no observation)."""
+  """Base policy: no state, no observation; `scores` reads the "score" slot if declared."""
 
   name: ClassVar[str] = "base"
+  slots: ClassVar[tuple[Slot, ...]] = ()  # per-token state this policy keeps in the cache
   token_level: ClassVar[bool] = True  # default eviction granularity: tokens, else pages
   needs_head_probs: ClassVar[bool] = False
   needs_lse: ClassVar[bool] = False  # stats.lse: the attention's log-sum-exp
@@ -114,7 +123,7 @@ class Policy:
     return cache
 
   def scores(self, cache: PagedKVCache, key) -> Float[Array, "L B H N"]:
-    return logical_view(cache, cache.score)
+    return logical_view(cache, cache.slot(SCORE.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +151,13 @@ class AttentionHistory(Policy):
   """Accumulated attention (H2O heavy hitters): s_i <- decay * s_i + sum_queries a_i."""
 
   name: ClassVar[str] = "h2o"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   decay: float = 1.0
 
   def observe(self, cache, stats):
-    history = read_layer(cache, cache.score, stats.layer)
+    history = read_layer(cache, "score", stats.layer)
     updated = S.accumulate_history(history, stats.probs.sum(axis=2), self.decay)
-    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+    return write_layer(cache, "score", stats.layer, updated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +173,15 @@ class Tova(Policy):
   """TOVA: the attention of the most recent query only."""
 
   name: ClassVar[str] = "tova"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
 
   def observe(self, cache, stats):
     b = stats.probs.shape[0]
     last = jnp.maximum(stats.num_new - 1, 0)
     latest = stats.probs[jnp.arange(b), :, last]  # [B, Hkv, N]
-    current = read_layer(cache, cache.score, stats.layer)
+    current = read_layer(cache, "score", stats.layer)
     latest = jnp.where((stats.num_new > 0)[:, None, None], latest, current)
-    return cache.replace(score=write_layer(cache, cache.score, stats.layer, latest))
+    return write_layer(cache, "score", stats.layer, latest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +191,7 @@ class SnapKV(Policy):
   query. The scores are replaced, not accumulated."""
 
   name: ClassVar[str] = "snapkv"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   window: int = 32
   kernel: int = 7
 
@@ -191,9 +203,9 @@ class SnapKV(Policy):
     pooled = jax.lax.reduce_window(
         votes, -jnp.inf, jax.lax.max, (1, 1, self.kernel), (1, 1, 1), "SAME"
     )
-    current = read_layer(cache, cache.score, stats.layer)
+    current = read_layer(cache, "score", stats.layer)
     pooled = jnp.where((stats.num_new > 0)[:, None, None], pooled, current)
-    return cache.replace(score=write_layer(cache, cache.score, stats.layer, pooled))
+    return write_layer(cache, "score", stats.layer, pooled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +238,7 @@ class OutputImpact(Policy):
   lse (hand-made ones) take the jnp specification on `head_probs`."""
 
   name: ClassVar[str] = "output_impact"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   needs_lse: ClassVar[bool] = True
   window: int = 8
   decay: float = 1.0
@@ -239,9 +252,9 @@ class OutputImpact(Policy):
       impact = self._from_probs(cache, stats, q_idx, live_q)
     else:
       impact = self._from_kernel(cache, stats, q_idx, live_q)
-    history = read_layer(cache, cache.score, stats.layer)
+    history = read_layer(cache, "score", stats.layer)
     updated = S.accumulate_history(history, impact, self.decay)
-    return cache.replace(score=write_layer(cache, cache.score, stats.layer, updated))
+    return write_layer(cache, "score", stats.layer, updated)
 
   def _from_kernel(self, cache, stats, q_idx, live_q) -> Float[Array, "B Hkv N"]:
     rows = jnp.arange(stats.q.shape[0])
@@ -268,7 +281,7 @@ class OutputImpact(Policy):
     hkv = cache.num_kv_heads
     probs = jnp.take_along_axis(stats.head_probs, q_idx[:, None, :, None], axis=2)  # [B,Hq,W,N]
     out = jnp.take_along_axis(stats.out, q_idx[:, :, None, None], axis=1)  # [B, W, Hq, D]
-    values = read_layer(cache, cache.v_pages, stats.layer)  # [B, Hkv, N, D]
+    values = logical_view(cache, cache.v_pages, stats.layer)  # [B, Hkv, N, D]
     values = jnp.repeat(values, hq // hkv, axis=1)[:, :, None]  # [B, Hq, 1, N, D]
     impact = S.output_impact(probs, values, out.transpose(0, 2, 1, 3))  # [B, Hq, W, N]
     impact = jnp.einsum("bhwn,bw->bhn", impact, live_q.astype(jnp.float32))
@@ -282,25 +295,27 @@ class InfoAware(AttentionHistory):
   change (1 - cos(h^l, h^(l-1))) / 2."""
 
   name: ClassVar[str] = "info_aware"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE, INFO)
   needs_logits: ClassVar[bool] = True
   alpha: float = 0.9
 
   def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new):
     change = S.layer_change(hidden_out, hidden_in) / 2.0  # [B, T]
-    return cache.replace(info=write_new_tokens(cache, cache.info, layer, 0.5 * change, num_new))
+    return write_new_tokens(cache, "info", layer, 0.5 * change, num_new)
 
   def observe_logits(self, cache, logits, num_new):
     entropy = S.predictive_entropy(logits) / math.log(logits.shape[-1])  # [B, T]
 
     def add(layer, info):
-      return write_new_tokens(cache, info, layer, 0.5 * entropy, num_new, add=True)
+      cache_ = cache.with_slots(info=info)
+      return write_new_tokens(cache_, "info", layer, 0.5 * entropy, num_new, add=True).slot("info")
 
-    return cache.replace(info=jax.lax.fori_loop(0, cache.num_layers, add, cache.info))
+    return cache.with_slots(info=jax.lax.fori_loop(0, cache.num_layers, add, cache.slot("info")))
 
   def scores(self, cache, key):
     valid = valid_mask(cache)
-    attention = _normalise(logical_view(cache, cache.score), valid)
-    info = _normalise(logical_view(cache, cache.info), valid)
+    attention = _normalise(logical_view(cache, cache.slot("score")), valid)
+    info = _normalise(logical_view(cache, cache.slot("info")), valid)
     return self.alpha * attention + (1.0 - self.alpha) * info
 
 
@@ -415,6 +430,7 @@ class EvictionPlan:
   per_head: bool = False
   fair: bool = False
   evict: bool = True
+  impl: str = "auto"  # group-importance kernel
 
   def apply(self, cache: PagedKVCache, key) -> PagedKVCache:
     """Evicts where a sequence (or, per head, a layer) passed its threshold."""
@@ -433,12 +449,12 @@ class EvictionPlan:
       scores = self.policy.scores(cache, key)
       valid = valid_mask(cache)
       if self.fair:
-        scores = fair_scores(scores, logical_view(cache, cache.segment), valid)
+        scores = fair_scores(scores, logical_view(cache, cache.slot("segment")), valid)
       if not self.per_head:
-        return evict(cache, scores=scores, budget=budget[:, None, None])
+        return evict(cache, scores=scores, budget=budget[:, None, None], impl=self.impl)
       head_budget = per_head_budgets(scores, protection_mask(cache), valid, budget)
       # Evict every head of a triggered layer to its share; leave the others alone.
       limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
-      return evict(cache, scores=scores, budget=limit, threshold=limit)
+      return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)
 
     return jax.lax.cond(needs.any(), run, lambda c: c, cache)

@@ -13,12 +13,12 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   - every sequence owns exactly its first ceil(length / page_size) table entries,
     each a real page, and the rest of its table points at the null page;
   - no physical page is owned twice, and owned + free = every page but the null page;
-  - free pages carry no token metadata.
+  - free pages carry no per-slot state (every declared slot is at its empty value).
   """
   cfg = cache.config
   table = np.asarray(cache.page_table)
   length = np.asarray(cache.length)
-  num_free = int(cache.num_free)
+  num_free = int(cache.pages.num_free)
   assert (0 <= length).all() and (length <= cfg.max_tokens).all(), "length out of range"
   held = -(-length // cfg.page_size)
   owned_mask = np.arange(cfg.max_pages) < held[..., None]
@@ -26,16 +26,16 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   assert (table[~owned_mask] == NULL_PAGE).all(), "unowned table entries must be null"
   assert (owned != NULL_PAGE).all() and (owned < cache.num_pages).all(), "bad owned page id"
   assert len(np.unique(owned)) == len(owned), "a physical page is owned twice"
-  free = np.asarray(cache.free_pages)[:num_free]
+  free = np.asarray(cache.pages.free_pages)[:num_free]
   assert len(np.unique(free)) == len(free), "a page is on the free stack twice"
   everything = np.sort(np.concatenate([owned, free]))
   assert np.array_equal(everything, np.arange(1, cache.num_pages)), (
       f"owned ({len(owned)}) + free ({len(free)}) pages must be the pool minus the null "
       f"page ({cache.num_pages - 1})"
   )
-  assert (np.asarray(cache.position)[free] == -1).all(), "a free page keeps token positions"
-  assert not np.asarray(cache.protected)[free].any(), "a free page keeps protection flags"
-  assert not np.asarray(cache.segment)[free].any(), "a free page keeps segment ids"
+  for spec in cache.slot_specs:
+    values = np.asarray(cache.slots[spec.name])[free]
+    assert (values == spec.empty).all(), f"a free page keeps {spec.name!r} state"
 
 
 class ByteTokenizer:

@@ -1,7 +1,9 @@
-"""Llama-family decoder in Flax NNX whose attention reads and writes the kvjax paged cache.
+"""Llama-family decoder in Flax NNX, with attention left to the caller.
 
-Layer weights are stacked on a leading [L] axis and the layers run under `lax.scan`, so
-compile time does not grow with depth. Linear weights are stored `[in, out]` (`y = x @ w`).
+`Llama.run` is the seam kvjax plugs into (see `docs/integration.md`): the model computes q, k,
+v per layer and calls an `attend` function it is given; it knows nothing of caches or
+policies, so this package imports nothing from kvjax. Layer weights are stacked on a
+leading [L] axis and the layers run under `lax.scan`, so compile time does not grow with depth. Linear weights are stored `[in, out]` (`y = x @ w`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from kvjax.cache import PagedKVCache, append_layer
 from models.config import ModelConfig, check_params
-from pallas_kernels.paged_attention import paged_attention
 
 # Per-layer weights: name -> shape from config, in `[in, out]` orientation.
 _LAYER_WEIGHTS = {
@@ -79,7 +79,7 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 
 
 class Llama(nnx.Module):
-  """Decoder: `model(tokens, positions, cache, num_new) -> (logits, cache)`, pure under jit."""
+  """Decoder: `model.run(tokens, positions, kv_state, attend) -> (logits, kv_state)`."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     """Random weights (tests and benchmarks); use `Llama.from_params` for checkpoints."""
@@ -132,85 +132,23 @@ class Llama(nnx.Module):
     )
     return model
 
-  def __call__(
+  def run(
       self,
       tokens: Int[Array, "B T"],
       positions: Int[Array, "B T"],
-      cache: PagedKVCache,
-      num_new: Int[Array, " B"] | None = None,
+      kv_state,
+      attend,
       *,
+      after_layer=None,
       logits_at: Int[Array, " B"] | None = None,
-      policy=None,
-      protected: Bool[Array, "B T"] | None = None,
-      segment: Int[Array, "B T"] | None = None,
-      attention_impl: str = "auto",
-  ) -> tuple[Array, PagedKVCache]:
-    """Runs T tokens per row through every layer, appending their K/V to the cache.
+  ) -> tuple[Float[Array, "..."], object]:
+    """The decoder with a pluggable cache.
 
-    Row b contributes its first `num_new[b]` tokens (default T); the rest are padding that
-    is neither cached nor attended to. Returns logits [B, T, V], or [B, V] at the token
-    index `logits_at[b]` of each row (the last prompt token, say), and the updated cache.
-    A `kvjax.policies.Policy` observes each layer's attention (and, if it asks, hidden
-    states and logits) to update its scores; `protected`/`segment` mark the new tokens.
-    `attention_impl` picks the paged-attention kernel ("auto", "pallas", "ref").
-    """
-    from kvjax.policies import AttentionStats  # kvjax imports this module
-
-    b, t = tokens.shape
-    if cache.num_layers != self.config.n_layers or cache.num_kv_heads != self.config.n_kv_heads:
-      raise ValueError(
-          f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
-          f"needs {self.config.n_layers} x {self.config.n_kv_heads}"
-      )
-    num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new
-    per_head = policy is not None and policy.needs_head_probs
-    want_lse = policy is not None and policy.needs_lse
-
-    def attend(q, k, v, cache, layer):
-      cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
-      out, probs, *lse = paged_attention(
-          q,
-          cache.k_pages,
-          cache.v_pages,
-          cache.page_table[layer],
-          cache.length[layer],
-          num_new,
-          per_query_head=per_head,
-          return_lse=want_lse,
-          impl=attention_impl,
-      )
-      if policy is not None:
-        head_probs = probs if per_head else None
-        if per_head:  # [B, Hq, T, N] -> summed per kv head
-          probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
-        lse = lse[0] if lse else None
-        stats = AttentionStats(layer, q, out, probs, head_probs, num_new, lse, attention_impl)
-        cache = policy.observe(cache, stats)
-      return out, cache
-
-    after_layer = None
-    if policy is not None:
-      after_layer = lambda c, l, h_in, h_out: policy.observe_layer(c, l, h_in, h_out, num_new)  # noqa: E731
-    full_logits = policy is not None and policy.needs_logits
-    logits, cache = self.run(
-        tokens,
-        positions,
-        cache,
-        attend,
-        after_layer=after_layer,
-        logits_at=None if full_logits else logits_at,
-    )
-    if full_logits:
-      cache = policy.observe_logits(cache, logits, num_new)
-      if logits_at is not None:
-        logits = logits[jnp.arange(b), logits_at]
-    return logits, cache
-
-  def run(self, tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None):
-    """The decoder with a pluggable cache: `attend(q [B,T,H,D], k, v [B,T,K,D], kv_state,
-    layer) -> (out [B,T,H,D], kv_state)` stores K/V and attends; `after_layer(kv_state,
-    layer, h_in, h_out)` may record per-token signals. `__call__` plugs in the paged cache;
-    benchmarks plug in a dense one to measure the same model against it."""
+    `attend(q [B, T, H, D], k [B, T, K, D], v [B, T, K, D], kv_state, layer) -> (out
+    [B, T, H, D], kv_state)` stores K/V and attends (q, k rotated); `after_layer(kv_state,
+    layer, h_in [B, T, d], h_out [B, T, d]) -> kv_state` may record per-token signals.
+    Returns logits [B, T, V] float32, or [B, V] at token index `logits_at[b]`, and the
+    kv_state. kvjax plugs in its paged cache; benchmarks plug in a dense one."""
     c = self.config
     b, t = tokens.shape
     if positions.shape != (b, t):

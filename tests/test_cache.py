@@ -99,7 +99,7 @@ def test_freed_pages_do_not_leak_into_new_owner():
   np.testing.assert_array_equal(pos, [8, 9, 10, 11, 12, 13, 14, 15, 16])
   # The reused page held evicted tokens before; its other slots are empty now.
   page = int(cache.page_table[0, 0, 0, 2])
-  np.testing.assert_array_equal(cache.position[page], [16, -1, -1, -1])
+  np.testing.assert_array_equal(cache.slot("position")[page], [16, -1, -1, -1])
 
 
 def test_decode_loop_compiles_once():
@@ -111,12 +111,12 @@ def test_decode_loop_compiles_once():
   def step(cache, k, v, pos, score):
     traces.append(1)
     cache = kvjax.append(cache, k, v, pos)
-    return kvjax.evict(cache.replace(score=score))
+    return kvjax.evict(cache, scores=kvjax.logical_view(cache, score))
 
   cache = kvjax.init_cache(cfg, L, B, H, D)
   for i in range(40):
     k, v = _kv(rng, 1)
-    score = jnp.asarray(rng.random(cache.score.shape), jnp.float32)
+    score = jnp.asarray(rng.random(cache.k_pages.shape[:2]), jnp.float32)
     cache = step(cache, k, v, jnp.full((B, 1), i, jnp.int32), score)
   kvjax.check_status(cache)
   assert len(traces) == 1

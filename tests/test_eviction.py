@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from pallas_kernels.group_importance import group_importance
 from kvjax.testing import assert_cache_invariants
 
 
@@ -85,17 +86,17 @@ def test_group_importance_reductions_and_errors():
   scores = jnp.array([[1.0, 3.0, 2.0, 6.0, np.nan, 0.0]])
   protected = jnp.array([[False, False, False, False, True, False]])
   np.testing.assert_array_equal(
-      kvjax.group_importance(scores, 2, protected, "mean"), [[2.0, 4.0, np.inf]]
+      group_importance(scores, 2, protected, "mean"), [[2.0, 4.0, np.inf]]
   )
   np.testing.assert_array_equal(
-      kvjax.group_importance(scores, 2, protected, "sum"), [[4.0, 8.0, np.inf]]
+      group_importance(scores, 2, protected, "sum"), [[4.0, 8.0, np.inf]]
   )
   np.testing.assert_array_equal(
-      kvjax.group_importance(scores, 3, protected, "max"), [[3.0, np.inf]]
+      group_importance(scores, 3, protected, "max"), [[3.0, np.inf]]
   )
   with pytest.raises(ValueError, match="group_size=4 must divide the token axis T=6"):
-    kvjax.group_importance(scores, 4, protected)
+    group_importance(scores, 4, protected)
   with pytest.raises(ValueError, match="reduce must be one of"):
-    kvjax.group_importance(scores, 2, protected, "median")
+    group_importance(scores, 2, protected, "median")
   with pytest.raises(ValueError, match="protected shape"):
-    kvjax.group_importance(scores, 2, protected[:, :4])
+    group_importance(scores, 2, protected[:, :4])

@@ -26,7 +26,7 @@ CONFIGS = (
 @functools.partial(jax.jit, static_argnames=())
 def _step(cache, k, v, positions, num_new, protected, score):
   cache = kvjax.append(cache, k, v, positions, num_new, protected)
-  return cache, kvjax.evict(cache.replace(score=score))
+  return cache, kvjax.evict(cache, scores=kvjax.logical_view(cache, score))
 
 
 def _snapshot(cache):
@@ -41,8 +41,8 @@ def _snapshot(cache):
         flat = lambda x: x[table].reshape(-1, *x.shape[2:])[:n]  # noqa: E731
         out[l, b, h] = list(
             zip(
-                flat(cache.position).tolist(),
-                flat(cache.protected).tolist(),
+                flat(cache.slots["position"]).tolist(),
+                flat(cache.slots["protected"]).tolist(),
                 map(tuple, flat(cache.k_pages)),
                 map(tuple, flat(cache.v_pages)),
             )
@@ -70,7 +70,7 @@ def test_random_append_evict_sequences_keep_invariants(config, ops):
     k = rng.normal(size=(L, B, t, H, D)).astype(np.float32)
     v = rng.normal(size=(L, B, t, H, D)).astype(np.float32)
     marked = rng.random((B, t)) < 0.1
-    score = rng.random(cache.score.shape).astype(np.float32)
+    score = rng.random(cache.k_pages.shape[:2]).astype(np.float32)
     lengths = np.asarray(cache.length)
     before, cache = _step(cache, k, v, positions, num_new, marked, score)
     assert_cache_invariants(before)

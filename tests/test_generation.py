@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax import generation
+from kvjax import session
 from kvjax.testing import ByteTokenizer
 from models import ModelConfig, load_llama
 from models.llama import Llama
@@ -47,43 +47,45 @@ def test_paris_from_the_default_model(smollm):
 def test_batched_ragged_prompts_match_each_prompt_alone(smollm):
   prompts = ["Name three colors.", "The Eiffel Tower is in", "1, 2, 3, 4,"]
   # A small chunk makes rows end their prompts in different prefill chunks.
-  batched = kvjax.generate(*smollm, prompts, max_new_tokens=10, prefill_chunk=4, page_size=8)
+  spec = kvjax.CompressionSpec(prefill_chunk=4, page_size=8)
+  batched = kvjax.generate(*smollm, prompts, spec, max_new_tokens=10)
   for row, prompt in enumerate(prompts):
-    alone = kvjax.generate(*smollm, [prompt], max_new_tokens=10, prefill_chunk=4, page_size=8)
+    alone = kvjax.generate(*smollm, [prompt], spec, max_new_tokens=10)
     assert alone.tokens[0] == batched.tokens[row], prompt
 
 
 def test_decode_compiles_once_for_a_whole_generation(monkeypatch):
   model, tokenizer = _tiny_model(), ByteTokenizer()
   traces = []
-  original = Llama.__call__
+  original = Llama.run
 
-  def counting_call(self, tokens, *args, **kwargs):
+  def counting_run(self, tokens, *args, **kwargs):
     traces.append(tokens.shape)
     return original(self, tokens, *args, **kwargs)
 
-  monkeypatch.setattr(Llama, "__call__", counting_call)
-  generation._COMPILED.clear()
-  result = kvjax.generate(
-      model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4, page_size=4
-  )
+  monkeypatch.setattr(Llama, "run", counting_run)
+  session._COMPILED.clear()
+  spec = kvjax.CompressionSpec(prefill_chunk=4, page_size=4)
+  result = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
   assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1
   # One trace for the prefill chunk shape, one for the whole decode loop.
   assert traces == [(1, 4), (1, 1)]
-  kvjax.generate(model, tokenizer, ["hello there"], max_new_tokens=20, prefill_chunk=4, page_size=4)
+  assert result.stats["compiles"] == 2
+  again = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
   assert len(traces) == 2, "a second call with the same shapes must not retrace"
+  assert again.stats["compiles"] == 0
 
 
 def test_sampling_is_reproducible_and_respects_top_k():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
   key = jax.random.key(3)
-  draws = generation.sample(logits, key, 1.0, 2, 1.0)
+  draws = session.sample(logits, key, 1.0, 2, 1.0)
   assert set(np.asarray(draws).tolist()) == {0, 1}
-  np.testing.assert_array_equal(draws, generation.sample(logits, key, 1.0, 2, 1.0))
-  top_p = generation.sample(logits, key, 1.0, 0, 0.7)  # 0.5 + 0.3 reach 0.7
+  np.testing.assert_array_equal(draws, session.sample(logits, key, 1.0, 2, 1.0))
+  top_p = session.sample(logits, key, 1.0, 0, 0.7)  # 0.5 + 0.3 reach 0.7
   assert set(np.asarray(top_p).tolist()) == {0, 1}
-  np.testing.assert_array_equal(generation.sample(logits, key, 0.0, 0, 1.0), 0)
-  full = np.bincount(np.asarray(generation.sample(logits, key, 1.0, 0, 1.0)), minlength=4)
+  np.testing.assert_array_equal(session.sample(logits, key, 0.0, 0, 1.0), 0)
+  full = np.bincount(np.asarray(session.sample(logits, key, 1.0, 0, 1.0)), minlength=4)
   assert full[3] > 0 and full[0] > full[1] > full[2]
 
 
@@ -106,18 +108,23 @@ def test_streaming_yields_the_same_tokens():
         ([], {}, "prompts must be a non-empty list"),
         (["x" * 200], {}, "prompt of 200 tokens is longer than the model context 128"),
         (["x" * 100], {"max_new_tokens": 40}, r"exceeds the model context 128"),
-        (["abc"], {"budget": 8, "max_new_tokens": 10}, "policy 'full' keeps every token: budget=8"),
-        (["abc"], {"policy": "nope"}, "unknown policy 'nope'"),
+        (["abc"], {"spec": {"budget": 8}}, "budget=8 was given with policy 'full'"),
+        (["abc"], {"spec": {"policy": "nope"}}, "unknown policy 'nope'"),
+        (["abc"], {"spec": {"policy": "h2o"}}, "policy 'h2o' evicts to a budget"),
+        (["abc"], {"spec": {"policy": "h2o", "budget": -5}}, "budget must be a positive int"),
+        (["abc"], {"spec": {"page_size": 0}}, "page_size must be an int >= 1"),
         (["abc"], {"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
-        (["abc"], {"temperature": -1.0}, "temperature must be >= 0"),
-        (["abc"], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        (["abc"], {"top_k": -1}, "top_k must be an int >= 0"),
+        (["abc"], {"sampling": {"temperature": -1.0}}, "temperature must be a number >= 0"),
+        (["abc"], {"sampling": {"top_p": 0.0}}, r"top_p must be in \(0, 1\]"),
+        (["abc"], {"sampling": {"top_k": -1}}, "top_k must be an int >= 0"),
         ([[1, 999]], {}, r"token ids outside \[0, 259\)"),
     ],
 )
 def test_bad_input_raises_clear_errors(prompts, kwargs, match):
   with pytest.raises(ValueError, match=match):
-    kvjax.generate(_tiny_model(), ByteTokenizer(), prompts, **kwargs)
+    spec = kvjax.CompressionSpec(**kwargs.pop("spec", {}))
+    sampling = kvjax.Sampling(**kwargs.pop("sampling", {}))
+    kvjax.generate(_tiny_model(), ByteTokenizer(), prompts, spec, sampling=sampling, **kwargs)
 
 
 def _cli(*args):
@@ -152,8 +159,10 @@ def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, bud
   """End to end: the Pallas decode kernel (interpret mode on CPU) through the model."""
   model, tokenizer = _tiny_model(), ByteTokenizer()
   prompts = ["the quick brown fox jumps", "hello world, hello paged attention"]
-  options = dict(max_new_tokens=12, policy=policy, budget=budget, prefill_chunk=8, page_size=8)
-  ref = kvjax.generate(model, tokenizer, prompts, attention_impl="ref", **options)
-  pallas = kvjax.generate(model, tokenizer, prompts, attention_impl="pallas", **options)
+  spec = kvjax.CompressionSpec(policy=policy, budget=budget, prefill_chunk=8, page_size=8)
+  ref = kvjax.generate(model, tokenizer, prompts, spec.replace(attention_impl="ref"), max_new_tokens=12)
+  pallas = kvjax.generate(
+      model, tokenizer, prompts, spec.replace(attention_impl="pallas"), max_new_tokens=12
+  )
   assert all(len(t) == 12 for t in ref.tokens)  # no early stop: every decode step compared
   assert pallas.tokens == ref.tokens

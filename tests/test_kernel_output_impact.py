@@ -2,21 +2,24 @@
 kvjax.scores.output_impact (interpret mode off TPU)."""
 
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernel_paged_attention import (
+from kernel_helpers import (  # noqa: F401 (release_compiled_code: autouse fixture)
     CASE_NAMES,
     CASES,
     TOL,
+    case_problem,
     jitted,
     kernel_interpret,
     lengths_for,
+    live_slots,
+    must_not_launch,
     paged_problem,
-    release_compiled_code,  # noqa: F401 (autouse fixture)
+    release_compiled_code,
+    small_paged_args,
 )
 
 import pallas_kernels.output_impact as oi
@@ -33,20 +36,18 @@ def _with_attention(args):
 
 @pytest.mark.parametrize(CASE_NAMES, CASES)
 def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
-  lengths, m = lengths_for(length_kind, page_size)
-  seed = zlib.crc32(repr(("oi", page_size, group, head_dim, length_kind, dtype)).encode())
-  args = _with_attention(paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype))
+  args = _with_attention(case_problem(page_size, group, head_dim, length_kind, dtype, "oi"))
   got = jitted(
       output_impact, impl="pallas", interpret=kernel_interpret(), pages_per_block=pages_per_block
   )(*args)
   want = jitted(output_impact_reference)(*args)
-  assert got.shape == want.shape == (len(lengths), 2, m * page_size)
+  live = live_slots(args)  # [B, Hkv, N]
+  assert got.shape == want.shape == live.shape
   assert got.dtype == jnp.float32 and np.isfinite(got).all()
   # r carries a/(1-a) (up to 1/eps for a lone token): compare relative to the scale of r.
   tol = TOL[dtype]
   scale = max(1.0, float(np.abs(want).max()))
   np.testing.assert_allclose(got / scale, want / scale, **tol)
-  live = np.arange(m * page_size) < np.asarray(args[4])[..., None]
   assert (np.asarray(got)[~live] == 0).all()
 
 
@@ -110,10 +111,6 @@ def test_generic_interpreter_and_padding_rows():
   assert (np.asarray(got)[1] == 0).all() and (np.asarray(got)[0] > 0).any()
 
 
-def _must_not_launch(*args, **kwargs):
-  raise AssertionError("the kernel was launched")
-
-
 @pytest.mark.parametrize(
     "change, error, match",
     [
@@ -132,18 +129,9 @@ def _must_not_launch(*args, **kwargs):
     ],
 )
 def test_rejects_bad_arguments_before_launch(monkeypatch, change, error, match):
-  monkeypatch.setattr(oi, "output_impact_pallas", _must_not_launch)
-  args = dict(
-      q=np.zeros((1, 1, 4, 8), np.float32),
-      k_pages=np.zeros((5, 4, 8), np.float32),
-      v_pages=np.zeros((5, 4, 8), np.float32),
-      page_table=np.zeros((1, 2, 3), np.int32),
-      lengths=np.zeros((1, 2), np.int32),
-      out=np.zeros((1, 1, 4, 8), np.float32),
-      lse=np.zeros((1, 1, 4), np.float32),
-  )
-  args.update(change)
-  args = {name: jnp.asarray(x) for name, x in args.items()}
+  monkeypatch.setattr(oi, "output_impact_pallas", must_not_launch)
+  out, lse = np.zeros((1, 1, 4, 8), np.float32), np.zeros((1, 1, 4), np.float32)
+  args = small_paged_args(change, out=out, lse=lse)
   with pytest.raises(error, match=match):
     output_impact(**args, impl="pallas", interpret=True)
 

@@ -3,19 +3,35 @@
 
 KVJAX_PALLAS_INTERPRET=0 runs the compiled kernels instead: the TPU kernel on a TPU, the
 GPU variant on a GPU (through the dispatcher too); cases that cannot compile there skip.
-The helpers here are shared by the other kernel test files.
+The helpers shared with the other kernel test files are in kernel_helpers.py.
 """
 
 import functools
-import itertools
-import os
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from kernel_helpers import (  # noqa: F401 (release_compiled_code: autouse fixture)
+    CASE_NAMES,
+    CASES,
+    DTYPES,
+    TOL,
+    case_params,
+    case_problem,
+    compiled_kernels,
+    full_product,
+    gpu_interpret,
+    jitted,
+    kernel_interpret,
+    lengths_for,
+    live_slots,
+    must_not_launch,
+    paged_problem,
+    release_compiled_code,
+    small_paged_args,
+)
 
 import pallas_kernels.paged_attention as pa
 from pallas_kernels.paged_attention import (
@@ -26,165 +42,35 @@ from pallas_kernels.paged_attention import (
     resolve_impl,
 )
 
-PAGE_SIZES = (8, 16, 64)
-GROUPS = (1, 3, 8)
-HEAD_DIMS = (64, 128)
-LENGTH_KINDS = ("one", "boundary", "full", "ragged")
-DTYPES = ("float32", "bfloat16")
-PAGES_PER_BLOCK = (None, 1, 2)
-TOL = {"float32": dict(atol=1e-5, rtol=0), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
-
-def compiled_kernels() -> bool:
-  return os.environ.get("KVJAX_PALLAS_INTERPRET", "1") == "0"
-
-
-def kernel_interpret(gpu_variant: bool = False):
-  """What the tests pass as `interpret`: the TPU interpreter (uninitialised memory reads as
-  NaN, out-of-bounds reads raise) unless KVJAX_PALLAS_INTERPRET=0 asks for compiled kernels:
-  on a TPU, or on a GPU where the op has a GPU variant that the dispatcher picks there
-  (`gpu_variant`, paged attention); elsewhere the test skips."""
-  if compiled_kernels():
-    backend = jax.default_backend()
-    if backend != "tpu" and not (gpu_variant and backend == "gpu"):
-      pytest.skip(f"this Pallas kernel is TPU-style; {backend} cannot compile it")
-    return False
-  return pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
-
-
-def gpu_interpret():
-  """`interpret` for the GPU variant: the generic interpreter (outputs start as NaN; the TPU
-  interpreter does not run Triton-style kernels), or compiled on a GPU with
-  KVJAX_PALLAS_INTERPRET=0."""
-  if compiled_kernels():
-    if jax.default_backend() != "gpu":
-      pytest.skip(f"the GPU variant compiles for GPUs only, not {jax.default_backend()}")
-    return False
-  return True
-
-
-def lengths_for(kind, page_size):
-  """(lengths of the batch rows, pages per table) of a length pattern."""
-  ps = page_size
-  return {
-      "one": ([1], 2),
-      "boundary": ([ps, ps + 1, 2 * ps - 1, 2 * ps], 3),
-      "full": ([3 * ps, 3 * ps], 3),  # every table entry in use
-      "ragged": ([1, 3 * ps, 2 * ps + 3, 0], 4),  # includes an empty sequence
-  }[kind]
-
-
-def paged_problem(seed, page_size, hkv, group, lengths, max_pages, d, dtype="float32"):
-  """A NaN-poisoned pool: the null page, pages no sequence owns and slots past each length
-  are NaN; owned pages are shuffled. Returns jnp arrays (q, k_pages, v_pages, table, lens)."""
-  rng = np.random.default_rng(seed)
-  b = len(lengths)
-  owned = sum(-(-n // page_size) for n in lengths) * hkv
-  num_pages = 1 + owned + 2
-  k_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
-  v_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
-  table = np.zeros((b, hkv, max_pages), np.int32)
-  free = list(rng.permutation(np.arange(1, num_pages)))
-  for bi, n in enumerate(lengths):
-    for h in range(hkv):
-      ks = rng.normal(size=(n, d)).astype(np.float32)
-      vs = rng.normal(size=(n, d)).astype(np.float32)
-      for p in range(-(-n // page_size)):
-        page = free.pop()
-        table[bi, h, p] = page
-        rows = slice(p * page_size, min((p + 1) * page_size, n))
-        k_pages[page, : rows.stop - rows.start] = ks[rows]
-        v_pages[page, : rows.stop - rows.start] = vs[rows]
-  q = rng.normal(size=(b, 1, hkv * group, d)).astype(np.float32)
-  lens = np.repeat(np.asarray(lengths, np.int32)[:, None], hkv, axis=1)
-  dt = jnp.dtype(dtype)
-  return (
-      jnp.asarray(q, dt),
-      jnp.asarray(k_pages, dt),
-      jnp.asarray(v_pages, dt),
-      jnp.asarray(table),
-      jnp.asarray(lens),
-  )
-
-
-def full_product():
-  cases = list(itertools.product(PAGE_SIZES, GROUPS, HEAD_DIMS, LENGTH_KINDS, DTYPES))
-  return [(*c, PAGES_PER_BLOCK[i % len(PAGES_PER_BLOCK)]) for i, c in enumerate(cases)]
-
-
-def default_subset():
-  """A covering subset of the product (each page size x group pair, every head dim, length
-  kind, dtype and pages_per_block several times) that interpret mode runs quickly."""
-  cases = []
-  for i, (ps, g) in enumerate(itertools.product(PAGE_SIZES, GROUPS)):
-    cases.append(
-        (
-            ps,
-            g,
-            HEAD_DIMS[i % 2],
-            LENGTH_KINDS[i % 4],
-            DTYPES[(i // 2) % 2],
-            PAGES_PER_BLOCK[i % 3],
-        )
-    )
-  cases += [
-      (8, 3, 64, "ragged", "bfloat16", 1),
-      (64, 8, 128, "full", "float32", 1),
-      (16, 8, 128, "boundary", "bfloat16", None),
-  ]
-  return cases
-
-
-def case_params(cases_default, cases_all):
-  """Default cases, plus the rest of the full product marked slow."""
-  slow = [c for c in cases_all if c not in cases_default]
-  return [pytest.param(*c) for c in cases_default] + [
-      pytest.param(*c, marks=pytest.mark.slow) for c in slow
-  ]
-
-
-CASES = case_params(default_subset(), full_product())
-CASE_NAMES = "page_size, group, head_dim, length_kind, dtype, pages_per_block"
-
-
-@functools.cache
-def jitted(fn, **static):
-  return jax.jit(functools.partial(fn, **static))
-
-
-@pytest.fixture(autouse=True)
-def release_compiled_code():
-  """Drops compiled executables after each test: hundreds of interpret-mode kernels kept
-  alive in one process have crashed the XLA CPU compiler (segfault) in the slow set."""
-  yield
-  jitted.cache_clear()
-  jax.clear_caches()
-
-
-@pytest.mark.parametrize(CASE_NAMES, CASES)
-def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
-  lengths, m = lengths_for(length_kind, page_size)
-  seed = zlib.crc32(repr((page_size, group, head_dim, length_kind, dtype)).encode())
-  args = paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype)
-  interpret = kernel_interpret(gpu_variant=True)
-  out, probs, lse = jitted(
-      paged_attention,
-      impl="pallas",
-      interpret=interpret,
-      pages_per_block=pages_per_block,
-      return_lse=True,
-  )(*args)
+def assert_decode_matches_reference(got, args, dtype):
+  """A decode kernel's (out, probs, lse) for `args` against the references: dtype, shapes,
+  finite values within TOL[dtype] (+inf lse rows compare equal), zero probs at dead slots."""
+  out, probs, lse = got
   want_out, want_probs = jitted(paged_attention_reference)(*args)
   want_lse = jitted(paged_attention_lse_reference)(args[0], args[1], args[3], args[4])
+  live = live_slots(args)  # [B, Hkv, N]
   assert out.dtype == want_out.dtype and out.shape == want_out.shape
-  assert probs.shape == want_probs.shape == (len(lengths), 2, 1, m * page_size)
+  assert probs.shape == want_probs.shape == (live.shape[0], 2, 1, live.shape[2])
   assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(probs).all()
   tol = TOL[dtype]
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), **tol)
   np.testing.assert_allclose(probs, want_probs, **tol)
-  np.testing.assert_allclose(lse, want_lse, **tol)  # +inf rows compare equal
-  live = np.arange(m * page_size) < np.asarray(args[4])[..., None]
+  np.testing.assert_allclose(lse, want_lse, **tol)
   assert (np.asarray(probs)[:, :, 0][~live] == 0).all()
+
+
+@pytest.mark.parametrize(CASE_NAMES, CASES)
+def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
+  args = case_problem(page_size, group, head_dim, length_kind, dtype)
+  got = jitted(
+      paged_attention,
+      impl="pallas",
+      interpret=kernel_interpret(gpu_variant=True),
+      pages_per_block=pages_per_block,
+      return_lse=True,
+  )(*args)
+  assert_decode_matches_reference(got, args, dtype)
 
 
 @pytest.mark.parametrize(
@@ -212,11 +98,7 @@ def test_padding_queries_and_generic_interpreter():
   # generic (non-TPU) interpreter, which is what impl="pallas" uses on CPU by default.
   args = paged_problem(5, 8, 2, 3, [13, 20], 3, 64)
   num_queries = jnp.array([1, 0], jnp.int32)
-  interpret = (
-      True
-      if os.environ.get("KVJAX_PALLAS_INTERPRET", "1") != "0"
-      else kernel_interpret(gpu_variant=True)
-  )
+  interpret = kernel_interpret(gpu_variant=True) if compiled_kernels() else True
   out, probs, lse = jitted(paged_attention, impl="pallas", interpret=interpret, return_lse=True)(
       *args, num_queries
   )
@@ -252,8 +134,8 @@ def test_hand_computed_tiny_case():
 
 
 def test_prefill_chunks_fall_back_to_the_reference(monkeypatch):
-  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
-  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas", must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", must_not_launch)
   rng = np.random.default_rng(2)
   q, kp, vp, table, lens = paged_problem(2, 8, 2, 3, [20, 9], 3, 64)
   q = jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32)
@@ -261,20 +143,6 @@ def test_prefill_chunks_fall_back_to_the_reference(monkeypatch):
   want = paged_attention_reference(q, kp, vp, table, lens)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
-
-
-def _must_not_launch(*args, **kwargs):
-  raise AssertionError("the kernel was launched")
-
-
-def _good_args():
-  return dict(
-      q=np.zeros((1, 1, 4, 8), np.float32),
-      k_pages=np.zeros((5, 4, 8), np.float32),
-      v_pages=np.zeros((5, 4, 8), np.float32),
-      page_table=np.zeros((1, 2, 3), np.int32),
-      lengths=np.zeros((1, 2), np.int32),
-  )
 
 
 @pytest.mark.parametrize(
@@ -294,18 +162,14 @@ def _good_args():
     ],
 )
 def test_rejects_bad_arguments_before_launch(monkeypatch, change, error, match):
-  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
-  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
-  args = _good_args()
-  args.update(change)
-  args = {name: jnp.asarray(x) for name, x in args.items()}
+  monkeypatch.setattr(pa, "paged_attention_pallas", must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", must_not_launch)
   with pytest.raises(error, match=match):
-    paged_attention(**args, impl="pallas", interpret=True)
+    paged_attention(**small_paged_args(change), impl="pallas", interpret=True)
 
 
 def test_out_of_range_table_is_rejected_on_the_reference_path_too():
-  args = {name: jnp.asarray(x) for name, x in _good_args().items()}
-  args["page_table"] = jnp.full((1, 2, 3), 9, jnp.int32)
+  args = small_paged_args(dict(page_table=np.full((1, 2, 3), 9, np.int32)))
   with pytest.raises(ValueError, match=r"in \[0, P=5\)"):
     paged_attention(**args, impl="ref")
 
@@ -320,8 +184,8 @@ def test_traced_page_table_skips_the_range_check():
 def test_auto_picks_the_reference_on_cpu(monkeypatch):
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU choice")
-  monkeypatch.setattr(pa, "paged_attention_pallas", _must_not_launch)
-  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas", must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", must_not_launch)
   args = paged_problem(4, 8, 2, 1, [9], 2, 64)
   np.testing.assert_array_equal(paged_attention(*args)[0], paged_attention_reference(*args)[0])
 
@@ -400,27 +264,15 @@ GPU_CASES = case_params(gpu_default_subset(), gpu_full_product())
 def test_gpu_kernel_matches_reference(
     page_size, group, head_dim, length_kind, dtype, pages_per_block, num_splits
 ):
-  lengths, m = lengths_for(length_kind, page_size)
-  seed = zlib.crc32(repr((page_size, group, head_dim, length_kind, dtype)).encode())
-  args = paged_problem(seed, page_size, 2, group, lengths, m, head_dim, dtype)
-  out, probs, lse = jitted(
+  args = case_problem(page_size, group, head_dim, length_kind, dtype)
+  got = jitted(
       paged_attention_pallas_gpu,
       interpret=gpu_interpret(),
       pages_per_block=pages_per_block,
       num_splits=num_splits,
       return_lse=True,
   )(*args)
-  want_out, want_probs = jitted(paged_attention_reference)(*args)
-  want_lse = jitted(paged_attention_lse_reference)(args[0], args[1], args[3], args[4])
-  assert out.dtype == want_out.dtype and out.shape == want_out.shape
-  assert probs.shape == want_probs.shape == (len(lengths), 2, 1, m * page_size)
-  assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(probs).all()
-  tol = TOL[dtype]
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), **tol)
-  np.testing.assert_allclose(probs, want_probs, **tol)
-  np.testing.assert_allclose(lse, want_lse, **tol)  # +inf rows compare equal
-  live = np.arange(m * page_size) < np.asarray(args[4])[..., None]
-  assert (np.asarray(probs)[:, :, 0][~live] == 0).all()
+  assert_decode_matches_reference(got, args, dtype)
 
 
 def test_gpu_kernel_per_query_head_and_padding_queries():
@@ -488,12 +340,12 @@ def test_dispatcher_runs_the_gpu_variant_on_gpu(monkeypatch):
   np.testing.assert_allclose(out, want_out, atol=1e-5)
   np.testing.assert_allclose(probs, want_probs, atol=1e-5)
 
-  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", _must_not_launch)
+  monkeypatch.setattr(pa, "paged_attention_pallas_gpu", must_not_launch)
   np.testing.assert_array_equal(paged_attention(*args)[0], want_out)  # auto: the reference
   monkeypatch.setattr(pa, "paged_attention_pallas", lambda *a, **k: "tpu kernel")
   assert paged_attention(*args, impl="pallas", interpret=pltpu.InterpretParams()) == "tpu kernel"
 
-  small = {name: jnp.asarray(x) for name, x in _good_args().items()}  # D = 8, S = 4
+  small = small_paged_args()  # D = 8, S = 4
   with pytest.raises(ValueError, match="power-of-two head dim >= 16"):
     paged_attention(**small, impl="pallas", interpret=True)
 

@@ -4,34 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import paged_pool, small_paged_args
 
 from pallas_kernels.paged_attention import paged_attention_reference
 
 
 def _paged_problem(rng, page_size, hkv, group, lengths, t, d=16, extra_pages=3):
-  """Random pool with NaN everywhere a sequence does not own, pages shuffled."""
+  """Random pool with NaN everywhere a sequence does not own, pages shuffled; numpy
+  (q, k_pages, v_pages, page_table, lengths, dense_k, dense_v)."""
   b = len(lengths)
   m = max(-(-max(lengths) // page_size), 1) + 1
   num_pages = b * hkv * m + extra_pages
-  k_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
-  v_pages = np.full((num_pages, page_size, d), np.nan, np.float32)
-  page_table = np.zeros((b, hkv, m), np.int32)
-  free = list(rng.permutation(np.arange(1, num_pages)))
-  dense_k, dense_v = {}, {}
-  for bi, n in enumerate(lengths):
-    for h in range(hkv):
-      ks = rng.normal(size=(n, d)).astype(np.float32)
-      vs = rng.normal(size=(n, d)).astype(np.float32)
-      dense_k[bi, h], dense_v[bi, h] = ks, vs
-      for p in range(-(-n // page_size)):
-        page = free.pop()
-        page_table[bi, h, p] = page
-        rows = slice(p * page_size, min((p + 1) * page_size, n))
-        k_pages[page, : rows.stop - rows.start] = ks[rows]
-        v_pages[page, : rows.stop - rows.start] = vs[rows]
-  q = rng.normal(size=(b, t, hkv * group, d)).astype(np.float32)
-  lengths_BxK = np.repeat(np.asarray(lengths, np.int32)[:, None], hkv, axis=1)
-  return q, k_pages, v_pages, page_table, lengths_BxK, dense_k, dense_v
+  return paged_pool(rng, page_size, hkv, group, lengths, m, d, num_pages, t=t)
 
 
 def _dense_attention(q, dense_k, dense_v, lengths, num_queries, hkv):
@@ -129,18 +113,8 @@ def test_hand_computed_tiny_case():
     ],
 )
 def test_rejects_bad_arguments(change, error, match):
-  args = dict(
-      q=np.zeros((1, 1, 4, 8), np.float32),
-      k_pages=np.zeros((5, 4, 8), np.float32),
-      v_pages=np.zeros((5, 4, 8), np.float32),
-      page_table=np.zeros((1, 2, 3), np.int32),
-      lengths=np.zeros((1, 2), np.int32),
-      num_queries=None,
-  )
-  args.update(change)
-  args = {name: None if x is None else jnp.asarray(x) for name, x in args.items()}
   with pytest.raises(error, match=match):
-    paged_attention_reference(**args)
+    paged_attention_reference(**small_paged_args(change, num_queries=None))
 
 
 @pytest.mark.parametrize("group_size", [1, 4])
@@ -157,7 +131,7 @@ def test_attention_over_an_evicted_cache_matches_its_surviving_tokens(group_size
   cache = kvjax.append(cache, k, -k, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.array([30, 21]))
   cache = kvjax.evict(cache, scores=jnp.asarray(rng.random((l, b, hkv, 48)), jnp.float32))
   # Poison every free page so that only owned slots can reach the result.
-  free = cache.free_pages[: int(cache.num_free)]
+  free = cache.pages.free_pages[: int(cache.pages.num_free)]
   cache = cache.replace(
       k_pages=cache.k_pages.at[free].set(np.nan), v_pages=cache.v_pages.at[free].set(np.nan)
   )

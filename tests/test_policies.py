@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import generation, policies
+from kvjax import policies
 from kvjax import scores as S
-from kvjax.generation import Segment
+from kvjax import Segment
 from kvjax.policies import AttentionStats, EvictionPlan
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
 from models import load_llama
@@ -133,7 +133,7 @@ BLOCK_CFG = kvjax.CacheConfig(page_size=4, max_tokens=48, budget=12, sink=2, rec
 
 def _cache(cfg, n=N_TOKENS, heads=1, d=4, k=None, v=None, protected=None):
   """One layer and row of `heads` kv heads holding positions 0..n-1 (K = V = position)."""
-  cache = kvjax.init_cache(cfg, 1, 1, heads, d, chunk=n)
+  cache = kvjax.init_cache(cfg, 1, 1, heads, d, chunk=n, slots=(policies.SCORE, policies.INFO))
   fill = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[:, None, None], (n, heads, d))
   k = fill if k is None else jnp.broadcast_to(jnp.asarray(k, jnp.float32)[:, None], (n, heads, d))
   v = fill if v is None else jnp.broadcast_to(jnp.asarray(v, jnp.float32)[:, None], (n, heads, d))
@@ -253,7 +253,7 @@ def test_output_impact_keeps_the_token_whose_removal_moves_the_output():
   stats = _stats(cache, a[None, None], head_probs=a[None, None], out=output[None, None])
   impact = policies.OutputImpact()
   observed = impact.observe(cache, stats)
-  scores = np.asarray(kvjax.logical_view(observed, observed.score))[0, 0, 0]
+  scores = np.asarray(kvjax.logical_view(observed, observed.slot("score")))[0, 0, 0]
   np.testing.assert_allclose(scores[[3, 4]], [0.0, 0.05 / 0.95 * 9.0], atol=1e-6)
   assert scores[4] == scores.max()
   assert _kept(_evict(impact, observed)) == [0, 4, 15]
@@ -270,7 +270,7 @@ def test_output_impact_sums_query_heads_of_a_kv_head():
   out = np.stack([0.5 * (v[2] + v[7]), 0.5 * (v[7] + v[9])])[None, :, None] * np.ones(4)
   stats = _stats(cache, head_probs.sum(0, keepdims=True), head_probs=head_probs, out=out)
   cache = policies.OutputImpact().observe(cache, stats)
-  score = kvjax.logical_view(cache, cache.score)[0, 0, 0, :N_TOKENS]
+  score = kvjax.logical_view(cache, cache.slot("score"))[0, 0, 0, :N_TOKENS]
   dist = lambda i, o: np.linalg.norm(np.full(4, v[i] - o))  # noqa: E731
   expected = np.zeros(N_TOKENS)
   expected[2] = dist(2, 4.5)
@@ -288,7 +288,7 @@ def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl)
   cfg = kvjax.CacheConfig(page_size=4, max_tokens=32)
   b, hkv, hq, d = 2, 2, 4, 8
   rng = np.random.default_rng(0)
-  cache = kvjax.init_cache(cfg, 1, b, hkv, d, chunk=16)
+  cache = kvjax.init_cache(cfg, 1, b, hkv, d, chunk=16, slots=(policies.SCORE,))
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
   cache = kvjax.append(
       cache, normal(1, b, 9, hkv, d), normal(1, b, 9, hkv, d), jnp.zeros((b, 9), int)
@@ -314,9 +314,10 @@ def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl)
   policy = policies.OutputImpact(window=4)
   spec = policy.observe(cache, AttentionStats(**common, head_probs=head_probs))
   kernel = policy.observe(cache, AttentionStats(**common, head_probs=None, lse=lse, impl=impl))
-  want = kvjax.logical_view(spec, spec.score)
+  want = kvjax.logical_view(spec, spec.slot("score"))
   assert float(jnp.abs(want).max()) > 0
-  np.testing.assert_allclose(kvjax.logical_view(kernel, kernel.score), want, rtol=1e-4, atol=1e-6)
+  got = kvjax.logical_view(kernel, kernel.slot("score"))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _info_cache(policy):
@@ -336,7 +337,7 @@ def _info_cache(policy):
 def test_info_aware_records_entropy_and_layer_change():
   policy = policies.InfoAware()
   cache = _info_cache(policy)
-  info = np.asarray(kvjax.logical_view(cache, cache.info))[0, 0, 0, :N_TOKENS]
+  info = np.asarray(kvjax.logical_view(cache, cache.slot("info")))[0, 0, 0, :N_TOKENS]
   np.testing.assert_allclose(info[[7, 9]], [0.5, 0.5], atol=1e-6)  # 0.5 * 1 each
   np.testing.assert_allclose(np.delete(info, [7, 9]), 0.0, atol=1e-6)
   assert 5 in _kept(_evict(policy, cache))
@@ -354,10 +355,8 @@ def test_info_aware_blends_attention_with_information():
   info[:N_TOKENS] = 0.001 * (N_TOKENS - np.arange(N_TOKENS))
   info[9] = 0.5
 
-  def write(x, values):
-    return policies.write_layer(cache, x, 0, jnp.asarray(values)[None, None])
-
-  cache = cache.replace(score=write(cache.score, attention), info=write(cache.info, info))
+  cache = policies.write_layer(cache, "score", 0, jnp.asarray(attention)[None, None])
+  cache = policies.write_layer(cache, "info", 0, jnp.asarray(info)[None, None])
   assert _kept(_evict(policies.InfoAware(), cache)) == [0, 5, 9, 11, 12, 13, 14, 15]
   assert _kept(_evict(policies.InfoAware(alpha=1.0), cache)) == [0, 5, 10, 11, 12, 13, 14, 15]
   assert _kept(_evict(policies.InfoAware(alpha=0.0), cache)) == [0, 1, 2, 3, 4, 5, 9, 15]
@@ -371,14 +370,14 @@ def test_info_aware_lets_info_decide_between_equal_attention():
 
 def test_streaming_keeps_sink_and_newest_whatever_the_history():
   cache = _cache(TOKEN_CFG)
-  cache = cache.replace(score=jax.random.uniform(jax.random.key(1), cache.score.shape))
+  cache = cache.with_slots(score=jax.random.uniform(jax.random.key(1), cache.k_pages.shape[:2]))
   assert _kept(_evict(policies.Streaming(), cache)) == [0, 9, 10, 11, 12, 13, 14, 15]
 
 
 def test_knorm_keeps_the_smallest_key_norms():
   norms = np.random.default_rng(0).permutation(N_TOKENS).astype(np.float32) + 1.0
   cache = _cache(TOKEN_CFG, k=norms[:, None] * np.full(4, 0.5))  # ||k_i|| = norms[i]
-  cache = cache.replace(score=jax.random.uniform(jax.random.key(1), cache.score.shape))
+  cache = cache.with_slots(score=jax.random.uniform(jax.random.key(1), cache.k_pages.shape[:2]))
   smallest = np.argsort(norms[1:-1])[:6] + 1
   assert _kept(_evict(policies.KeyNorm(), cache)) == sorted([0, 15, *smallest.tolist()])
 
@@ -426,19 +425,11 @@ PLAIN = FILLER[:60] + "KEEP" + FILLER[:64]  # the same tokens, none protected
 
 
 def _prefill(model, tokenizer, prompts, policy, budget, *, chunk=CHUNK, **kwargs):
-  encoded = generation.encode_prompts(tokenizer, prompts, False, model.config.vocab_size)
-  plan = generation.plan_cache(
-      model,
-      policy,
-      budget,
-      batch=len(encoded.ids),
-      longest=int(encoded.lengths.max()),
-      max_new_tokens=MAX_NEW,
-      prefill_chunk=chunk,
-      page_size=PAGE,
-      **kwargs,
+  spec = kvjax.CompressionSpec(
+      policy=policy, budget=budget, prefill_chunk=chunk, page_size=PAGE, **kwargs
   )
-  _, cache, peak, _ = generation.prefill(model, plan, encoded, jax.random.key(0))
+  state = kvjax.prefill(model, prompts, spec, tokenizer=tokenizer, reserve=MAX_NEW)
+  plan, cache, peak = state.plan, state.cache, int(state.peak_pages)
   assert not kvjax.Status(int(cache.status)) & kvjax.Status.OVER_BUDGET
   assert_cache_invariants(cache)
   return plan, cache, peak
@@ -476,10 +467,7 @@ def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
       model,
       tokenizer,
       [PROMPT],
-      policy=name,
-      budget=BUDGET,
-      prefill_chunk=CHUNK,
-      page_size=PAGE,
+      kvjax.CompressionSpec(policy=name, budget=BUDGET, prefill_chunk=CHUNK, page_size=PAGE),
       max_new_tokens=MAX_NEW,
   )
   stats = result.stats
@@ -503,9 +491,8 @@ def test_peak_kv_of_the_default_model_within_bound(smollm, name):
   )
   ids = tokenizer.encode(text)[:512]
   assert len(ids) == 512
-  result = kvjax.generate(
-      model, tokenizer, [ids], policy=name, budget=0.25, max_new_tokens=4, prefill_chunk=256
-  )
+  spec = kvjax.CompressionSpec(policy=name, budget=0.25, prefill_chunk=256)
+  result = kvjax.generate(model, tokenizer, [ids], spec, max_new_tokens=4)
   stats = result.stats
   budget, page = stats["cache"]["budget"], stats["cache"]["page_size"]
   assert budget == 128 and stats["layer_budgets"] == [128] * c.n_layers
@@ -609,12 +596,14 @@ def test_pyramid_per_head_generate_stays_within_its_pool(tiny):
       model,
       tokenizer,
       [PROMPT],
-      policy="h2o",
-      budget=BUDGET,
-      budget_schedule="pyramid",
-      per_head=True,
-      prefill_chunk=CHUNK,
-      page_size=PAGE,
+      kvjax.CompressionSpec(
+          policy="h2o",
+          budget=BUDGET,
+          budget_schedule="pyramid",
+          per_head=True,
+          prefill_chunk=CHUNK,
+          page_size=PAGE,
+      ),
       max_new_tokens=MAX_NEW,
   )
   stats = result.stats
@@ -678,9 +667,8 @@ def test_fair_eviction_takes_the_same_fraction_from_each_segment(tiny, name):
 
 
 def _plan(model, policy, budget, **kwargs):
-  return generation.plan_cache(
-      model, policy, budget, batch=1, longest=64, max_new_tokens=4, page_size=PAGE, **kwargs
-  )
+  spec = kvjax.CompressionSpec(policy=policy, budget=budget, page_size=PAGE, **kwargs)
+  return spec.plan(kvjax.ModelShape.of(model), batch=1, longest=64, reserve=4)
 
 
 def test_unknown_policy_name(tiny):
@@ -692,7 +680,7 @@ def test_unknown_policy_name(tiny):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_evicting_policy_needs_a_budget(tiny, name):
-  with pytest.raises(ValueError, match=f"policy '{name}' evicts to a budget: pass budget="):
+  with pytest.raises(ValueError, match=f"policy '{name}' evicts to a budget: give budget="):
     _plan(tiny[0], name, None)
 
 

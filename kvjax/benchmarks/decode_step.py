@@ -23,6 +23,7 @@ import jax
 from kvjax.eval import decode_cost, default_text
 from kvjax.eval._data import DEFAULT_TEXT_SOURCE
 from kvjax.policies import POLICIES
+from kvjax.spec import CompressionSpec
 
 GOAL = 0.05  # eviction's share of a decode step
 
@@ -56,17 +57,8 @@ def main(argv=None):
   rows = []
   for name in names:
     budget = None if name == "full" else args.budget
-    rows.append(
-        decode_cost(
-            model,
-            ids,
-            policy=name,
-            budget=budget,
-            decode_steps=args.steps,
-            repeats=args.repeats,
-            attention_impl=args.attention_impl,
-        )
-    )
+    spec = CompressionSpec(policy=name, budget=budget, attention_impl=args.attention_impl)
+    rows.append(decode_cost(model, ids, spec, decode_steps=args.steps, repeats=args.repeats))
   full_ms = rows[0]["decode_ms_per_token"]
   print(
       "| policy | decode ms/token | / full | eviction ms/token | eviction share | "

@@ -23,6 +23,7 @@ from flax import nnx
 
 import kvjax
 import models
+from kvjax.seam import forward
 
 
 def dense_attend(q, k, v, state, layer, *, num_new):
@@ -46,7 +47,8 @@ def dense_attend(q, k, v, state, layer, *, num_new):
 
 @functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="kv")
 def _paged_chunk(graphdef, params, kv, tokens, positions):
-  logits, kv = nnx.merge(graphdef, params)(tokens, positions, kv)
+  num_new = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+  logits, kv = forward(nnx.merge(graphdef, params), tokens, positions, kv, num_new)
   return logits[:, -1], kv
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import kvjax
-from kvjax.benchmarks.quality import read_text
+from kvjax.eval._data import default_text, read_text
 from kvjax.policies import POLICIES
 
 
@@ -30,7 +30,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   model, tokenizer = models.load_llama()
   c = model.config
-  ids = tokenizer.encode(read_text(args.text))[: args.prompt_tokens]
+  text = default_text() if args.text is None else read_text(args.text)
+  ids = tokenizer.encode(text)[: args.prompt_tokens]
   budget = int(args.budget * len(ids))
   page = 16
   token_bytes = 2 * c.head_dim * 4
@@ -41,16 +42,11 @@ def main(argv=None):
 
   def report(label, variant, options, budget_for_bound):
     kwargs = {} if label == "full" else {"budget": options.pop("budget", budget)}
+    spec = kvjax.CompressionSpec(
+        policy=label, prefill_chunk=args.prefill_chunk, page_size=page, **kwargs, **options
+    )
     stats = kvjax.generate(
-        model,
-        tokenizer,
-        [ids],
-        policy=label,
-        max_new_tokens=args.max_new_tokens,
-        prefill_chunk=args.prefill_chunk,
-        page_size=page,
-        **kwargs,
-        **options,
+        model, tokenizer, [ids], spec, max_new_tokens=args.max_new_tokens
     ).stats
     limit = None if stats["layer_budgets"] is None else bound(budget_for_bound(stats))
     within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")

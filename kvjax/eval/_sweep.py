@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from kvjax.eval import _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy
+from kvjax.spec import CompressionSpec
 
 TASKS = ("fidelity", "passkey", "perplexity", "retention", "bench")
-PLAN_OPTIONS = ("sink", "recent", "page_size", "group_size", "budget_schedule", "per_head")
 
 
 def bench(
@@ -19,11 +19,9 @@ def bench(
     ids: Sequence[int],
     *,
     context_tokens: int,
-    policy="full",
-    budget=None,
+    spec: CompressionSpec,
     decode_steps: int = 32,
     repeats: int = 3,
-    **plan_options,
 ) -> dict:
   """Cost of one request of `context_tokens` tokens (prompt from `ids`, then
   `decode_steps` generated tokens): KV bytes held, prefill seconds, decode ms/token and
@@ -35,13 +33,7 @@ def bench(
         f"{prompt} tokens; the text has {len(ids)}"
     )
   return decode_cost(
-      model,
-      list(ids[:prompt]),
-      policy=policy,
-      budget=budget,
-      decode_steps=decode_steps,
-      repeats=repeats,
-      **plan_options,
+      model, list(ids[:prompt]), spec, decode_steps=decode_steps, repeats=repeats
   )
 
 
@@ -80,11 +72,14 @@ def run(
     ids: Sequence[int] | None = None,
     cases: list[dict] | None = None,
     options: dict | None = None,
+    spec: CompressionSpec | None = None,
     config: dict | None = None,
     progress: bool = True,
 ) -> dict:
   """Runs `task` for every (request length, policy, budget) and returns the results.
 
+  `spec` holds every other compression choice (sink, page size, ...); each configuration
+  is `spec` with its policy and budget. `options` are the task's own (windows, depths, ...).
   `ids` is the text (fidelity, perplexity, retention, bench); `cases` the user's QA records
   for passkey (synthetic cases otherwise). Every configuration is checked before any runs,
   so bad input fails fast; a configuration that crashes is recorded as failed.
@@ -103,10 +98,11 @@ def run(
   for n in context_tokens:
     if n > limit:
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
-  plan_options = {k: options[k] for k in PLAN_OPTIONS if k in options}
+  base = CompressionSpec() if spec is None else spec.replace(policy="full", budget=None)
   grid = list(configurations(policies, budgets, context_tokens))
-  # Budgets in tokens, checked before anything runs; every task gets the same tokens.
-  kept = {c: _tasks.resolve_budget(c[1], c[2], c[0], **plan_options) for c in grid}
+  # Every configuration's spec and budget in tokens, checked before anything runs.
+  specs = {c: base.replace(policy=c[1], budget=c[2]) for c in grid}
+  kept = {c: _tasks.resolve_budget(specs[c], c[0]) for c in grid}
   for length in context_tokens:
     _check_data(task, tokenizer, length, ids, cases, options)
 
@@ -118,6 +114,7 @@ def run(
           "policies": policies,
           "budgets": list(budgets),
           "context_tokens": list(context_tokens),
+          "spec": {k: v for k, v in base.to_dict().items() if k not in ("policy", "budget")},
           **options,
       },
   )
@@ -127,9 +124,9 @@ def run(
     bar.set_postfix_str(f"{policy} budget={budget} @{length}")
     start = time.perf_counter()
     try:
-      tokens = kept[length, policy, budget]
       metrics = _run_one(
-          task, model, tokenizer, length, policy, tokens, ids, cases, options, references
+          task, model, tokenizer, length, specs[length, policy, budget], ids, cases, options,
+          references,
       )
     except Exception as err:  # noqa: BLE001 - a crashed configuration is a result too
       metrics = {"cases": 1, "failed": 1, "errors": [f"{type(err).__name__}: {err}"]}
@@ -168,20 +165,17 @@ def _number(value):
   return None if value is None else float(value)
 
 
-def _run_one(task, model, tokenizer, length, policy, budget, ids, cases, options, references):
-  """One configuration; `budget` is in tokens (None for the full cache)."""
-  common = dict(
-      policy=policy, budget=budget, **{k: options[k] for k in PLAN_OPTIONS if k in options}
-  )
+def _run_one(task, model, tokenizer, length, spec, ids, cases, options, references):
+  """One configuration."""
   if task == "passkey":
     return _tasks.passkey(
         model,
         tokenizer,
         context_tokens=length,
+        spec=spec,
         depths=options.get("depths", (0.1, 0.5, 0.9)),
         trials=options.get("trials", 1),
         cases=cases,
-        **common,
     )
   if task in ("fidelity", "perplexity"):
     fn = _tasks.windowed_fidelity if task == "fidelity" else _tasks.perplexity
@@ -192,8 +186,8 @@ def _run_one(task, model, tokenizer, length, policy, budget, ids, cases, options
         context_tokens=length,
         continuation_tokens=options["continuation_tokens"],
         windows=options["windows"],
+        spec=spec,
         references=references,
-        **common,
     )
   if task == "retention":
     return _tasks.instruction_retention(
@@ -201,15 +195,15 @@ def _run_one(task, model, tokenizer, length, policy, budget, ids, cases, options
         tokenizer,
         ids,
         context_tokens=length,
+        spec=spec,
         depths=options.get("depths", (0.1, 0.5, 0.9)),
-        **common,
     )
   metrics = bench(
       model,
       ids,
       context_tokens=length,
+      spec=spec,
       decode_steps=options.get("decode_steps", 32),
       repeats=options.get("repeats", 3),
-      **common,
   )
   return {**metrics, "cases": 1, "failed": 0, "errors": []}

@@ -1,8 +1,8 @@
 """Evaluation tasks built on `fidelity` and generation: answers, passkey retrieval,
 perplexity, instruction retention.
 
-Each task takes the policy and budget like `kvjax.generate` (`budget` in tokens, or a
-fraction in (0, 1) of the request length) and returns a dict of metrics with `cases`,
+Each task takes a `kvjax.CompressionSpec` (its `budget` in tokens, or a fraction in (0, 1)
+of the request length) and returns a dict of metrics with `cases`,
 `failed` and `errors`: a case that crashes is counted as failed and its error kept, never
 dropped. Bad arguments raise before any case runs.
 """
@@ -12,61 +12,34 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import logical_view, valid_mask
-from kvjax.config import min_budget
 from kvjax.eval import _data
-from kvjax.eval._fidelity import continuation_logits, fidelity
-from kvjax.generation import (
-    EncodedPrompts,
-    Generation,
-    _run,
-    budget_tokens,
-    plan_cache,
-    prefill,
-)
-from kvjax.policies import Full, Policy, get_policy
+from kvjax.eval._fidelity import continuation_logits, fidelity, full_cache_spec
+from kvjax.prompts import Segment
+from kvjax.session import decode, extend, prefill
+from kvjax.spec import CompressionSpec
 
 
-def resolve_budget(
-    policy: str | Policy,
-    budget: int | float | None,
-    length: int,
-    *,
-    sink: int = 4,
-    recent: int | None = None,
-    page_size: int = 16,
-    group_size: int | None = None,
-    **_,
-) -> int | None:
+def resolve_budget(spec: CompressionSpec, length: int) -> int | None:
   """Tokens kept per sequence for a request of `length` tokens (None: the full cache).
 
   Raises ValueError for a budget larger than the request or one that cannot hold the
   protected sink + recent tokens."""
-  policy = get_policy(policy)
-  if isinstance(policy, Full):
-    return None
-  if budget is None:
-    raise ValueError(f"policy {policy.name!r} evicts to a budget: pass budget=")
-  group = group_size or (1 if policy.token_level else page_size)
-  tokens = budget_tokens(budget, length, group)
-  if tokens > length:
+  tokens = spec.budget_tokens(length)
+  if tokens is not None and tokens > length:
     raise ValueError(
-        f"budget={budget} ({tokens} tokens) is larger than the request of {length} tokens: "
-        f"nothing would be evicted; use policy 'full' or a smaller budget"
-    )
-  if recent is None:
-    recent = tokens // 4 if group == 1 else max(page_size, tokens // 4 // page_size * page_size)
-  floor = min_budget(page_size, sink, recent, group)
-  if tokens < floor:
-    raise ValueError(
-        f"budget={budget} ({tokens} tokens) is smaller than the protected sink={sink} + "
-        f"recent={recent} tokens need ({floor} at group size {group})"
+        f"budget={spec.budget} ({tokens} tokens) is larger than the request of {length} "
+        "tokens: nothing would be evicted; use policy 'full' or a smaller budget"
     )
   return tokens
+
+
+def _at_budget(spec: CompressionSpec, length: int) -> CompressionSpec:
+  """`spec` with its budget in tokens for a request of `length` tokens."""
+  tokens = resolve_budget(spec, length)
+  return spec if tokens is None else spec.replace(budget=tokens)
 
 
 def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
@@ -101,57 +74,27 @@ def _answer(
     tokenizer,
     context_ids: list[int],
     question: str,
+    spec: CompressionSpec,
     *,
-    policy,
-    budget,
     max_new_tokens: int,
     chat: bool,
     seed: int = 0,
-    attention_impl: str = "auto",
-    **plan_options,
-):
-  """`answer`, returning the `GenerationResult` (stats included)."""
+) -> tuple[str, int]:
+  """`answer`, with the peak KV bytes held."""
   opening, _ = _chat_parts(tokenizer, chat)
   question_ids = _question_ids(tokenizer, question, chat)
-  context_ids = opening + list(context_ids)
-  request = len(context_ids) + len(question_ids)
-  tokens = resolve_budget(policy, budget, request, **plan_options)
-  plan = plan_cache(
-      model,
-      policy,
-      tokens,
-      batch=1,
-      longest=request,
-      max_new_tokens=max_new_tokens,
-      **plan_options,
-  )
+  request = len(opening) + len(context_ids) + len(question_ids)
+  spec = _at_budget(spec, request)
   # The template's own tokens and the question are protected: the question stays cached
   # while the answer is generated; only the context competes for the budget.
-  phases = [
-      EncodedPrompts(
-          [context_ids],
-          [[True] * len(opening) + [False] * (len(context_ids) - len(opening))],
-          [[0] * len(opening) + [1] * (len(context_ids) - len(opening))],
-      ),
-      EncodedPrompts([question_ids], [[True] * len(question_ids)], [[2] * len(question_ids)]),
-  ]
-  sampling = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
-  generation = Generation(
-      _run(
-          model,
-          tokenizer,
-          phases,
-          plan,
-          max_new_tokens,
-          jax.random.key(seed),
-          sampling,
-          False,
-          attention_impl,
-      )
+  context = [Segment(opening, protected=True), Segment(list(context_ids))]
+  state = prefill(model, [context], spec, reserve=len(question_ids) + max_new_tokens, seed=seed)
+  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=True)
+  state, result = decode(
+      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
   )
-  for _ in generation:
-    pass
-  return generation.result
+  text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+  return text, state.peak_kv_bytes()
 
 
 def answer(
@@ -159,12 +102,10 @@ def answer(
     tokenizer,
     context: str | Sequence[int],
     question: str,
+    spec: CompressionSpec | None = None,
     *,
-    policy: str | Policy = "full",
-    budget: int | float | None = None,
     max_new_tokens: int = 32,
     chat: bool = True,
-    **plan_options,
 ) -> str:
   """Greedy answer to `question` about `context`.
 
@@ -177,18 +118,10 @@ def answer(
   context_ids = tokenizer.encode(context) if isinstance(context, str) else list(context)
   if not context_ids:
     raise ValueError("context is empty")
-  result = _answer(
-      model,
-      tokenizer,
-      context_ids,
-      question,
-      policy=policy,
-      budget=budget,
-      max_new_tokens=max_new_tokens,
-      chat=chat,
-      **plan_options,
-  )
-  return result.texts[0]
+  spec = CompressionSpec() if spec is None else spec
+  return _answer(
+      model, tokenizer, context_ids, question, spec, max_new_tokens=max_new_tokens, chat=chat
+  )[0]
 
 
 def _check_depths(depths):
@@ -230,15 +163,13 @@ def passkey(
     tokenizer,
     *,
     context_tokens: int,
-    policy: str | Policy = "full",
-    budget: int | float | None = None,
+    spec: CompressionSpec,
     depths: Sequence[float] = (0.1, 0.5, 0.9),
     trials: int = 1,
     seed: int = 0,
     max_new_tokens: int = 12,
     cases: Sequence[dict] | None = None,
     progress: Callable | None = None,
-    **plan_options,
 ) -> dict:
   """Retrieval accuracy: a 5-digit pass key hidden at each depth of a synthetic filler
   request of `context_tokens` tokens, `trials` keys per depth; correct when the first number
@@ -265,27 +196,24 @@ def passkey(
     request = (
         len(opening) + len(case["ids"]) + len(_question_ids(tokenizer, case["question"], True))
     )
-    resolve_budget(policy, budget, request, **plan_options)
+    resolve_budget(spec, request)
 
   def run(case):
-    result = _answer(
+    text, peak = _answer(
         model,
         tokenizer,
         case["ids"],
         case["question"],
-        policy=policy,
-        budget=budget,
+        spec,
         max_new_tokens=max_new_tokens,
         chat=True,
         seed=seed,
-        **plan_options,
     )
-    text = result.texts[0]
     if "depth" in case:
       correct = _first_number(text) == case["answer"]
     else:
       correct = case["answer"].strip().lower() in text.lower()
-    return {"correct": correct, "answer": text, "peak_kv_bytes": result.stats["peak_kv_bytes"]}
+    return {"correct": correct, "answer": text, "peak_kv_bytes": peak}
 
   results, errors = run_cases(cases, run, progress)
   done = [r for r in results if r is not None]
@@ -316,11 +244,9 @@ def windowed_fidelity(
     context_tokens: int,
     continuation_tokens: int = 64,
     windows: int = 2,
-    policy: str | Policy = "full",
-    budget: int | float | None = None,
+    spec: CompressionSpec,
     references: dict | None = None,
     progress: Callable | None = None,
-    **plan_options,
 ) -> dict:
   """`fidelity` over `windows` disjoint windows of `ids`: mean `kl` and `top1`, pooled
   `ppl` and `ppl_full` (windows have equal lengths), the largest `peak_kv_bytes`.
@@ -329,24 +255,16 @@ def windowed_fidelity(
   sweep over policies runs the full cache once per window.
   """
   pairs = _data.text_windows(list(ids), context_tokens, continuation_tokens, windows)
-  resolve_budget(policy, budget, context_tokens, **plan_options)
+  spec = _at_budget(spec, context_tokens)
+  reference = full_cache_spec(spec)
   references = {} if references is None else references
 
   def run(pair):
     context, continuation = pair
-    key = (tuple(context), tuple(continuation), tuple(sorted(plan_options.items())))
+    key = (tuple(context), tuple(continuation), reference)
     if key not in references:
-      references[key] = continuation_logits(model, context, continuation, **plan_options)[0]
-    return fidelity(
-        model,
-        tokenizer,
-        context,
-        continuation,
-        policy=policy,
-        budget=budget,
-        reference_logits=references[key],
-        **plan_options,
-    )
+      references[key] = continuation_logits(model, context, continuation, reference)[0]
+    return fidelity(model, context, continuation, spec, reference_logits=references[key])
 
   results, errors = run_cases(pairs, run, progress)
   done = [r for r in results if r is not None]
@@ -374,8 +292,7 @@ def perplexity(
     context_tokens: int,
     continuation_tokens: int = 128,
     windows: int = 2,
-    policy: str | Policy = "full",
-    budget: int | float | None = None,
+    spec: CompressionSpec,
     **options,
 ) -> dict:
   """Perplexity of real continuations after a compressed context (`ppl`), next to the
@@ -387,8 +304,7 @@ def perplexity(
       context_tokens=context_tokens,
       continuation_tokens=continuation_tokens,
       windows=windows,
-      policy=policy,
-      budget=budget,
+      spec=spec,
       **options,
   )
   return {k: v for k, v in result.items() if k not in ("kl", "top1")}
@@ -400,14 +316,11 @@ def instruction_retention(
     ids: Sequence[int],
     *,
     context_tokens: int,
-    policy: str | Policy = "full",
-    budget: int | float | None = None,
+    spec: CompressionSpec,
     instruction: str = _data.RETENTION_INSTRUCTION,
     depths: Sequence[float] = (0.1, 0.5, 0.9),
-    fair: bool = False,
     seed: int = 0,
     progress: Callable | None = None,
-    **plan_options,
 ) -> dict:
   """Fraction of an instruction's tokens still cached after a request of `context_tokens`
   tokens (text from `ids` with the instruction at each depth) is prefilled and compressed.
@@ -420,33 +333,23 @@ def instruction_retention(
   instruction_ids = tokenizer.encode(instruction)
   if len(ids) < context_tokens:
     raise ValueError(f"text has {len(ids)} tokens; context_tokens={context_tokens} need more")
-  tokens = resolve_budget(policy, budget, context_tokens, **plan_options)
-  plan = plan_cache(
-      model,
-      policy,
-      tokens,
-      batch=1,
-      longest=context_tokens,
-      max_new_tokens=1,
-      fair=fair,
-      **plan_options,
-  )
+  spec = _at_budget(spec, context_tokens)
 
   def run(depth):
     room = context_tokens - len(instruction_ids)
     if room < 1:
       raise ValueError(f"context_tokens={context_tokens} cannot hold the instruction")
     at = int(round(depth * room))
-    row = list(ids[:at]) + instruction_ids + list(ids[at:room])
-    marked = [0] * at + [1] * len(instruction_ids) + [0] * (room - at)
-    encoded = EncodedPrompts([row], [[False] * len(row)], [marked])
-    _, cache, peak, _ = prefill(model, plan, encoded, jax.random.key(seed))
-    kept = (logical_view(cache, cache.segment) == 1) & valid_mask(cache)  # [L, B, H, N]
+    # Segments 1, 2, 3: text before, the instruction (not protected), text after.
+    row = [Segment(list(ids[:at])), Segment(instruction_ids), Segment(list(ids[at:room]))]
+    state = prefill(model, [row], spec, reserve=1, seed=seed)
+    cache = state.cache
+    kept = (logical_view(cache, cache.slot("segment")) == 2) & valid_mask(cache)  # [L, B, H, N]
     per_sequence = np.asarray(kept.sum(-1)) / len(instruction_ids)  # [L, B, H]
     return {
         "retention": float(per_sequence.mean()),
         "retained_all": float((per_sequence >= 1.0).mean()),
-        "peak_kv_bytes": peak * cache.page_bytes,
+        "peak_kv_bytes": state.peak_kv_bytes(),
     }
 
   results, errors = run_cases(list(depths), run, progress)

@@ -1,0 +1,122 @@
+"""Prompts as kvjax takes them: strings, token ids, or lists of marked `Segment`s."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A piece of a prompt: text, or token ids used as they are. Protected segments are never
+  evicted; with `fair=True` every segment loses the same fraction of its tokens."""
+
+  text: str | tuple[int, ...]
+  protected: bool = False
+
+  def __post_init__(self):
+    text = self.text
+    if isinstance(text, (np.ndarray, list, tuple)) and not isinstance(text, str):
+      ids = np.asarray(text).reshape(-1) if len(text) else np.zeros(0, np.int32)
+      if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"Segment: token ids must be integers, got dtype {ids.dtype}")
+      object.__setattr__(self, "text", tuple(int(t) for t in ids))
+    elif not isinstance(text, str):
+      raise TypeError(
+          f"Segment: text must be a str or a sequence of token ids, got {type(text).__name__}"
+      )
+    if not isinstance(self.protected, bool):
+      raise TypeError(f"Segment: protected must be True or False, got {self.protected!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompts:
+  """Token ids of a batch, with per-token protection and segment ids (0 = unmarked)."""
+
+  ids: list[list[int]]
+  protected: list[list[bool]]
+  segment: list[list[int]]
+
+  @property
+  def lengths(self) -> np.ndarray:
+    return np.array([len(x) for x in self.ids], np.int32)
+
+  def padded(self, width: int):
+    """([B, width] ids, protected, segment) right-padded with zeros."""
+    out = [np.zeros((len(self.ids), width), dtype) for dtype in (np.int32, bool, np.int32)]
+    for row in range(len(self.ids)):
+      for array, values in zip(out, (self.ids[row], self.protected[row], self.segment[row])):
+        array[row, : len(values)] = values
+    return out
+
+
+def _is_token_ids(prompt) -> bool:
+  if isinstance(prompt, np.ndarray):
+    return prompt.ndim == 1 and (prompt.size == 0 or np.issubdtype(prompt.dtype, np.integer))
+  return bool(prompt) and all(isinstance(p, (int, np.integer)) for p in prompt)
+
+
+def encode_prompts(
+    tokenizer, prompts, *, chat: bool, vocab_size: int, allow_empty: bool = False
+) -> EncodedPrompts:
+  """Encodes str / token-id (list or 1-D array) / `Segment`-list prompts. With `chat`, the
+  chat template wraps the text and its own tokens (system prompt, role markers) are
+  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only)."""
+  if (
+      isinstance(prompts, (str, bytes))
+      or not isinstance(prompts, (Sequence, np.ndarray))
+      or len(prompts) == 0
+  ):
+    raise ValueError(
+        "prompts must be a non-empty list of strings, token-id lists or segment lists"
+    )
+  ids, protected, segment = [], [], []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, (str, Segment)):
+      prompt = [prompt]
+    if _is_token_ids(prompt):
+      row = [int(t) for t in np.asarray(prompt).reshape(-1)]
+      pieces = [(row, False, 0)]
+    elif allow_empty and len(prompt) == 0:
+      pieces = []
+    else:
+      if not isinstance(prompt, (Sequence, np.ndarray)) or not prompt:
+        raise ValueError(f"prompts[{i}] is empty")
+      if not all(isinstance(p, (Segment, str)) for p in prompt):
+        raise ValueError(
+            f"prompts[{i}] must be a str, token ids, or a list of str/Segment; it mixes "
+            f"{sorted({type(p).__name__ for p in prompt})}"
+        )
+      parts = [p if isinstance(p, Segment) else Segment(p) for p in prompt]
+      if not any(isinstance(p.text, tuple) and p.text for p in parts) and not "".join(
+          p.text for p in parts if isinstance(p.text, str)
+      ).strip():
+        raise ValueError(f"prompts[{i}] is empty")
+      pieces = [(p.text, p.protected, n + 1) for n, p in enumerate(parts)]
+      if chat:
+        if tokenizer is None:
+          raise ValueError("chat=True needs a tokenizer")
+        marker = "\x00kvjax\x00"
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+        before, after = rendered.split(marker)
+        pieces = [(before, True, 0), *pieces, (after, True, 0)]
+    row_ids, row_protected, row_segment = [], [], []
+    for text, is_protected, seg in pieces:
+      if isinstance(text, str):
+        if text and tokenizer is None:
+          raise ValueError(f"prompts[{i}] has text: pass tokenizer= (or give token ids)")
+        piece = tokenizer.encode(text) if text else []
+      else:
+        piece = list(text)
+      row_ids += piece
+      row_protected += [is_protected] * len(piece)
+      row_segment += [seg] * len(piece)
+    bad = [t for t in row_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if not row_ids and not allow_empty:
+      raise ValueError(f"prompts[{i}] is empty")
+    ids.append(row_ids), protected.append(row_protected), segment.append(row_segment)
+  return EncodedPrompts(ids, protected, segment)

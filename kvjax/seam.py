@@ -1,0 +1,147 @@
+"""The seam between a Flax model and kvjax: what a model exposes, and what kvjax plugs in.
+
+A model is compressible when it has
+
+  model.config   with int attributes n_layers, n_kv_heads, head_dim, vocab_size, max_context
+  model.run(tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None)
+      tokens, positions  [B, T] int32 (positions: the RoPE position of each token)
+      attend(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], kv_state, layer)
+          -> (out [B, T, Hq, D], kv_state)          called once per layer, in layer order;
+                                                    q and k already position-encoded
+      after_layer(kv_state, layer, h_in [B, T, d], h_out [B, T, d]) -> kv_state   (optional)
+      returns (logits [B, T, V] float32, or [B, V] at token index logits_at[b], kv_state)
+
+The model knows nothing of pages or policies: kvjax's `attend` appends K/V to the paged cache,
+runs paged attention and feeds the policy; `after_layer` lets a policy read hidden states.
+`docs/integration.md` walks through it; `examples/custom_model.py` is a model written from
+scratch that plugs in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Int
+
+from kvjax.cache import PagedKVCache, append_layer
+from kvjax.policies import AttentionStats, Policy
+from pallas_kernels.paged_attention import paged_attention
+
+_SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_context")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What kvjax needs to know of a model to size its cache."""
+
+  n_layers: int
+  n_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  max_context: int
+  dtype: str  # the model's parameter dtype: the cache's default K/V dtype
+
+  @classmethod
+  def of(cls, model) -> "ModelShape":
+    """Reads the seam attributes; TypeError naming what a model lacks."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(model, "run", None)) or config is None:
+      raise TypeError(
+          f"{type(model).__name__} is not a kvjax model: it needs a `config` and a "
+          "`run(tokens, positions, kv_state, attend, *, after_layer, logits_at)` method "
+          "(see docs/integration.md)"
+      )
+    values = {}
+    for name in _SHAPE_FIELDS:
+      value = getattr(config, name, None)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TypeError(
+            f"{type(model).__name__}.config.{name} must be a positive int, got {value!r} "
+            f"(a kvjax model's config has {', '.join(_SHAPE_FIELDS)})"
+        )
+      values[name] = value
+    floats = [
+        x.dtype
+        for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    return cls(**values, dtype=jnp.dtype(floats[0] if floats else jnp.float32).name)
+
+
+def forward(
+    model,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    cache: PagedKVCache,
+    num_new: Int[Array, " B"],
+    *,
+    policy: Policy | None = None,
+    protected: Bool[Array, "B T"] | None = None,
+    segment: Int[Array, "B T"] | None = None,
+    logits_at: Int[Array, " B"] | None = None,
+    attention_impl: str = "auto",
+) -> tuple[Array, PagedKVCache]:
+  """Runs T tokens per row through `model.run` over the paged cache (pure; call under jit).
+
+  Row b contributes its first `num_new[b]` tokens; the rest are padding that is neither
+  cached nor attended to. `policy` observes each layer's attention (and, if it asks, hidden
+  states and logits); `protected`/`segment` mark the new tokens. Returns the logits ([B, T, V],
+  or [B, V] at `logits_at`) and the cache.
+  """
+  b, t = tokens.shape
+  shape = ModelShape.of(model)
+  if cache.num_layers != shape.n_layers or cache.num_kv_heads != shape.n_kv_heads:
+    raise ValueError(
+        f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
+        f"needs {shape.n_layers} x {shape.n_kv_heads}"
+    )
+  per_head = policy is not None and policy.needs_head_probs
+  want_lse = policy is not None and policy.needs_lse
+
+  def attend(q, k, v, cache, layer):
+    cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
+    out, probs, *lse = paged_attention(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        cache.page_table[layer],
+        cache.length[layer],
+        num_new,
+        per_query_head=per_head,
+        return_lse=want_lse,
+        impl=attention_impl,
+    )
+    if policy is not None:
+      head_probs = probs if per_head else None
+      if per_head:  # [B, Hq, T, N] -> summed per kv head
+        probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
+      lse = lse[0] if lse else None
+      stats = AttentionStats(
+          jnp.asarray(layer), q, out, probs, head_probs, num_new, lse, attention_impl
+      )
+      cache = policy.observe(cache, stats)
+    return out, cache
+
+  after_layer = None
+  if policy is not None:
+
+    def after_layer(cache, layer, h_in, h_out):
+      return policy.observe_layer(cache, layer, h_in, h_out, num_new)
+
+  full_logits = policy is not None and policy.needs_logits
+  logits, cache = model.run(
+      tokens,
+      positions,
+      cache,
+      attend,
+      after_layer=after_layer,
+      logits_at=None if full_logits else logits_at,
+  )
+  if full_logits:
+    cache = policy.observe_logits(cache, logits, num_new)
+    if logits_at is not None:
+      logits = logits[jnp.arange(b), logits_at]
+  return logits, cache

@@ -1,0 +1,545 @@
+"""The session API: prefill a context, decode, append more tokens, fork, all on one state.
+
+    spec = kvjax.CompressionSpec(policy="h2o", budget=512)
+    state = kvjax.prefill(model, [document], spec, tokenizer=tokenizer, chat=True)
+    state, result = kvjax.decode(model, state, 32, stop_tokens=tokenizer.eos_ids)
+    follow_up = kvjax.extend(model, state, [question_ids])     # another turn, same cache
+    a, b = kvjax.fork(follow_up, 2)                              # two independent copies
+
+A `State` is a pytree (the paged cache, the next-token logits, positions, the sampling key),
+so it can be passed to `jax.jit`, copied and saved. Its static part is the `CachePlan` the
+`CompressionSpec` resolved to at prefill. No function here invalidates the state it is given
+unless asked to (`donate=True`, for loops that drop the old state anyway).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.cache import NULL_PAGE, PagedKVCache, Status, check_status, init_cache
+from kvjax.prompts import EncodedPrompts, encode_prompts
+from kvjax.seam import ModelShape, forward
+from kvjax.spec import CachePlan, CompressionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
+
+  temperature: float = dataclasses.field(default=0.0, metadata={"help": "0 = greedy"})
+  top_k: int = dataclasses.field(default=0, metadata={"help": "keep the k likeliest tokens; 0 = off"})
+  top_p: float = dataclasses.field(
+      default=1.0, metadata={"help": "keep the smallest set of tokens with this much mass"}
+  )
+
+  def __post_init__(self):
+    if isinstance(self.temperature, bool) or not (
+        isinstance(self.temperature, (int, float)) and self.temperature >= 0
+    ):
+      raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if isinstance(self.top_p, bool) or not (
+        isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
+    ):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+  def arrays(self):
+    """Traced (not static) values: changing them does not recompile."""
+    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+
+
+@struct.dataclass
+class State:
+  """A batch of sequences mid-generation: everything needed to continue them."""
+
+  cache: PagedKVCache
+  logits: Float[Array, "B V"]  # next-token logits of each row
+  position: Int[Array, " B"]  # position of the next token of each row (= tokens seen)
+  done: Bool[Array, " B"]  # the row stopped at a stop token; new tokens re-open it
+  key: Array  # sampling and eviction randomness
+  peak_pages: Int[Array, ""]  # most pages held at once so far
+  plan: CachePlan = struct.field(pytree_node=False)
+
+  @property
+  def batch_size(self) -> int:
+    return self.logits.shape[0]
+
+  @property
+  def spec(self) -> CompressionSpec:
+    return self.plan.spec
+
+  def kv_bytes(self) -> int:
+    """Host-side: bytes of K and V held now."""
+    return self.cache.kv_bytes()
+
+  def peak_kv_bytes(self) -> int:
+    return int(self.peak_pages) * self.cache.page_bytes
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  tokens: list[list[int]]  # generated ids per row, stop token excluded
+  finish_reasons: list[str]  # "stop" (a stop token), "length" (max_new_tokens), "done" (stopped before)
+  logits: Array | None  # [B, N, V]: the logits each token was chosen from (return_logits=True)
+  stats: dict  # decode_seconds, compile_seconds, compiles, decode_tokens_per_s
+
+
+# ---- compiled steps ------------------------------------------------------------------------
+
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_MAX_COMPILED = 16
+_COMPILE_STATS = {"compiles": 0, "compile_seconds": 0.0}
+
+
+def compile_stats() -> dict:
+  """Compilations made by kvjax's steps in this process, and the seconds they took."""
+  return dict(_COMPILE_STATS)
+
+
+def _compiled(fn, statics: dict, *args):
+  """Ahead-of-time compiled `fn` for these static values and argument shapes, cached."""
+  leaves, treedef = jax.tree.flatten(args)
+  key = (
+      fn,
+      tuple(statics.items()),
+      treedef,
+      tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
+  )
+  if key in _COMPILED:
+    _COMPILED.move_to_end(key)
+    return _COMPILED[key]
+  start = time.perf_counter()
+  compiled = fn.lower(*args, **statics).compile()
+  _COMPILE_STATS["compiles"] += 1
+  _COMPILE_STATS["compile_seconds"] += time.perf_counter() - start
+  _COMPILED[key] = compiled
+  if len(_COMPILED) > _MAX_COMPILED:
+    _COMPILED.popitem(last=False)
+  return compiled
+
+
+def _policy(plan: CachePlan):
+  return None if plan.eviction is None else plan.eviction.policy
+
+
+@partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
+def _prefill_chunk(
+    params, cache, tokens, positions, num_new, logits_at, protected, segment, key, *, graphdef, plan
+):
+  """One prefill chunk; returns the logits at `logits_at`, the cache after eviction, and
+  the pages held before eviction (the peak)."""
+  model = nnx.merge(graphdef, params)
+  logits, cache = forward(
+      model,
+      tokens,
+      positions,
+      cache,
+      num_new,
+      logits_at=logits_at,
+      policy=_policy(plan),
+      protected=protected,
+      segment=segment,
+      attention_impl=plan.impl,
+  )
+  peak = cache.pages_in_use().sum()
+  if plan.eviction is not None:
+    cache = plan.eviction.apply(cache, key)
+  return logits, cache, peak
+
+
+@struct.dataclass
+class _Decoding:
+  state: State
+  tokens: Int[Array, "B N"]  # generated ids (N = max_new_tokens)
+  num_generated: Int[Array, " B"]
+  stopped: Bool[Array, " B"]  # stopped at a stop token in this call
+  step: Int[Array, ""]
+  recorded: Float[Array, "B N V"] | None  # the logits each token was chosen from
+
+
+def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[Array, " B"]:
+  """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
+
+  def stochastic(logits):
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
+    v = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    ranked = jnp.where(jnp.arange(v) < k, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
+    return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+
+  greedy = lambda logits: jnp.argmax(logits, axis=-1)  # noqa: E731
+  return jax.lax.cond(temperature > 0, stochastic, greedy, logits).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "evict"), donate_argnames="decoding")
+def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graphdef, evict):
+  """Decode steps until every row has its tokens or stopped, or the cache fails. Every
+  emitted token is fed, so the state continues after the last one."""
+  model = nnx.merge(graphdef, params)
+  temperature, top_k, top_p = sampling
+  max_new = decoding.tokens.shape[1]
+  plan = decoding.state.plan
+  eviction = plan.eviction if evict else None
+  rows = jnp.arange(decoding.tokens.shape[0])
+
+  def live(d: _Decoding):
+    return ~d.state.done & (d.num_generated < max_new)
+
+  def cond(d: _Decoding):
+    ok = d.state.cache.status & ~Status.OVER_BUDGET == 0
+    return live(d).any() & ok
+
+  def body(d: _Decoding):
+    s = d.state
+    key, sub, evict_key = jax.random.split(s.key, 3)
+    if forced is None:
+      token = sample(s.logits, sub, temperature, top_k, top_p)
+    else:
+      token = forced[rows, jnp.minimum(d.num_generated, max_new - 1)]
+    active = live(d)
+    stop = active & jnp.isin(token, stop_tokens)
+    emit = active & ~stop
+    tokens = d.tokens.at[rows, d.num_generated].set(jnp.where(emit, token, 0), mode="drop")
+    recorded = d.recorded
+    if recorded is not None:
+      recorded = recorded.at[rows, d.num_generated].set(s.logits, mode="drop")
+    logits, cache = forward(
+        model,
+        token[:, None],
+        s.position[:, None],
+        s.cache,
+        emit.astype(jnp.int32),
+        policy=_policy(plan),
+        attention_impl=plan.impl,
+    )
+    peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
+    if eviction is not None:
+      cache = eviction.apply(cache, evict_key)
+    state = s.replace(
+        cache=cache,
+        logits=jnp.where(emit[:, None], logits[:, 0], s.logits),
+        position=s.position + emit,
+        done=s.done | stop,
+        key=key,
+        peak_pages=peak_pages,
+    )
+    return _Decoding(
+        state=state,
+        tokens=tokens,
+        num_generated=d.num_generated + emit,
+        stopped=d.stopped | stop,
+        step=d.step + 1,
+        recorded=recorded,
+    )
+
+  return jax.lax.while_loop(cond, body, decoding)
+
+
+# ---- the public API ------------------------------------------------------------------------
+
+
+def prefill(
+    model,
+    prompts,
+    spec: CompressionSpec | None = None,
+    *,
+    tokenizer=None,
+    chat: bool = False,
+    reserve: int = 256,
+    seed: int = 0,
+    key: Array | None = None,
+) -> State:
+  """Prefills a batch of prompts into a compressed cache, in chunks with eviction after each.
+
+  Args:
+    model: any model with the kvjax seam (`model.run`, see `kvjax.seam`).
+    prompts: per row a str, token ids, or a list of str/`Segment` (marked spans).
+    spec: the `CompressionSpec` (default: the full cache).
+    tokenizer: encodes text (and the chat template); not needed for token ids.
+    chat: wrap text prompts as a user message in the chat template; the template's own
+      tokens are protected.
+    reserve: with the full cache, room for this many more tokens per row before the cache
+      grows (each growth re-lays the cache out and compiles new shapes once).
+    seed, key: randomness for sampling and random eviction.
+  """
+  spec = CompressionSpec() if spec is None else spec
+  if not isinstance(spec, CompressionSpec):
+    raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
+  shape = ModelShape.of(model)
+  if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+    raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
+  encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
+  longest = int(encoded.lengths.max())
+  if longest > shape.max_context:
+    raise ValueError(
+        f"prompt of {longest} tokens is longer than the model context {shape.max_context}"
+    )
+  reserve = min(reserve, shape.max_context - longest)
+  batch = len(encoded.ids)
+  plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve)
+  slots = () if plan.eviction is None else plan.eviction.policy.slots
+  cache = init_cache(
+      plan.config,
+      shape.n_layers,
+      batch,
+      shape.n_kv_heads,
+      shape.head_dim,
+      chunk=plan.chunk,
+      slots=slots,
+  )
+  key = jax.random.key(seed) if key is None else key
+  prefill_key, decode_key = jax.random.split(key)
+  state = State(
+      cache=cache,
+      logits=jnp.zeros((batch, shape.vocab_size), jnp.float32),
+      position=jnp.zeros((batch,), jnp.int32),
+      done=jnp.zeros((batch,), bool),
+      key=decode_key,
+      peak_pages=jnp.int32(0),
+      plan=plan,
+  )
+  return _prefill(model, state, encoded, prefill_key)
+
+
+def extend(
+    model, state: State, prompts, *, tokenizer=None, donate: bool = False
+) -> State:
+  """Appends more tokens to every row (a follow-up question, a new turn), with the state's
+  compression; a row given no tokens (`[]`) is left as it is. Text is encoded as it is (no
+  chat template: give the template's tokens yourself for a new chat turn)."""
+  _check_state(state)
+  shape = ModelShape.of(model)
+  encoded = encode_prompts(
+      tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True
+  )
+  if len(encoded.ids) != state.batch_size:
+    raise ValueError(f"prompts has {len(encoded.ids)} rows; the state has {state.batch_size}")
+  if not encoded.lengths.any():
+    raise ValueError("prompts adds no token to any row")
+  # Segment ids continue the state's, so fair eviction tells the turns apart.
+  offset = int(state.cache.slot("segment").max())
+  encoded = dataclasses.replace(
+      encoded, segment=[[s + offset if s else 0 for s in row] for row in encoded.segment]
+  )
+  state = _fit(state, shape, int(encoded.lengths.max()), donate)
+  return _prefill(model, state, encoded, jax.random.fold_in(state.key, 1))
+
+
+def decode(
+    model,
+    state: State,
+    max_new_tokens: int,
+    *,
+    sampling: Sampling = Sampling(),
+    stop_tokens=(),
+    forced=None,
+    return_logits: bool = False,
+    evict: bool = True,
+    donate: bool = False,
+) -> tuple[State, DecodeResult]:
+  """Generates up to `max_new_tokens` per row from `state` in one jitted loop.
+
+  Args:
+    sampling: a `Sampling` (greedy by default); the state's key drives it.
+    stop_tokens: ids that end a row (excluded from its tokens); e.g. `tokenizer.eos_ids`.
+    forced: token ids [B, max_new_tokens] to feed instead of sampling (teacher forcing);
+      with `return_logits`, the logits predicting each of them.
+    return_logits: also return the logits each token was chosen from, [B, N, V].
+    evict: False keeps the policy observing but never evicts (to time eviction's cost);
+      the cache then grows by max_new_tokens, within one prefill chunk of headroom.
+    donate: reuse the state's buffers (the given state is invalid afterwards).
+  Returns the state after the last generated token (every token is in the cache) and
+  a `DecodeResult`.
+  """
+  _check_state(state)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not isinstance(sampling, Sampling):
+    raise TypeError(f"sampling must be a kvjax.Sampling, got {type(sampling).__name__}")
+  shape = ModelShape.of(model)
+  b = state.batch_size
+  if forced is not None:
+    forced = jnp.asarray(forced)
+    if forced.shape != (b, max_new_tokens) or not jnp.issubdtype(forced.dtype, jnp.integer):
+      raise ValueError(
+          f"forced must be integer [B, max_new_tokens] = ({b}, {max_new_tokens}), got "
+          f"{forced.shape} {forced.dtype}"
+      )
+    forced = forced.astype(jnp.int32)
+  stop = np.asarray(list(stop_tokens) or [-1], np.int32)
+  if stop.ndim != 1:
+    raise ValueError(f"stop_tokens must be a list of ids, got {stop_tokens!r}")
+  state = _fit(state, shape, max_new_tokens, donate)
+  vocab = state.logits.shape[-1]
+  decoding = _Decoding(
+      state=state,
+      tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
+      num_generated=jnp.zeros((b,), jnp.int32),
+      stopped=jnp.zeros((b,), bool),
+      step=jnp.int32(0),
+      recorded=jnp.zeros((b, max_new_tokens, vocab), jnp.float32) if return_logits else None,
+  )
+  was_done = np.asarray(state.done)
+  graphdef, params = nnx.split(model)
+  before = compile_stats()
+  args = (params, decoding, jnp.asarray(stop), sampling.arrays(), forced)
+  steps = _compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args)
+  start = time.perf_counter()
+  decoding = jax.block_until_ready(steps(*args))
+  seconds = time.perf_counter() - start
+  check_status(decoding.state.cache)
+  num_generated = np.asarray(decoding.num_generated)
+  all_tokens, stopped = np.asarray(decoding.tokens), np.asarray(decoding.stopped)
+  after = compile_stats()
+  result = DecodeResult(
+      tokens=[all_tokens[row, : num_generated[row]].tolist() for row in range(b)],
+      finish_reasons=[
+          "done" if was_done[row] else "stop" if stopped[row] else "length" for row in range(b)
+      ],
+      logits=decoding.recorded,
+      stats={
+          "generated_tokens": num_generated.tolist(),
+          "decode_seconds": seconds,
+          "decode_tokens_per_s": float(num_generated.sum()) / max(seconds, 1e-9),
+          "compiles": after["compiles"] - before["compiles"],
+          "compile_seconds": after["compile_seconds"] - before["compile_seconds"],
+      },
+  )
+  return decoding.state, result
+
+
+def fork(state: State, num: int | None = None) -> State | list[State]:
+  """Independent copies of `state` (new buffers, no recomputation), each with its own
+  sampling key; `num=None` returns one copy. States are immutable, so a state that is never
+  donated can also simply be reused."""
+  _check_state(state)
+  if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 1):
+    raise ValueError(f"num must be an int >= 1 or None, got {num!r}")
+  keys = jax.random.split(state.key, num or 1)
+  copies = [
+      _copy(state).replace(key=keys[i]) for i in range(num or 1)
+  ]
+  return copies[0] if num is None else copies
+
+
+# ---- internals -----------------------------------------------------------------------------
+
+
+def _copy(tree):
+  """A copy of every array in `tree` (new buffers), PRNG keys included."""
+
+  def copy(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(jnp.copy(jax.random.key_data(x)))
+    return jnp.copy(x)
+
+  return jax.tree.map(copy, tree)
+
+
+def _check_state(state):
+  if not isinstance(state, State):
+    raise TypeError(f"state must be a kvjax.State (from kvjax.prefill), got {type(state).__name__}")
+
+
+def _prefill(model, state: State, encoded: EncodedPrompts, key) -> State:
+  """Chunked prefill of `encoded` after each row's current position (donates `state`)."""
+  plan, chunk = state.plan, state.plan.chunk
+  graphdef, params = nnx.split(model)
+  lengths = encoded.lengths
+  starts = np.asarray(state.position)
+  ids, protected, segment = encoded.padded(-(-int(lengths.max()) // chunk) * chunk)
+  last_logits, cache, peak = state.logits, state.cache, int(state.peak_pages)
+  statics = {"graphdef": graphdef, "plan": plan}
+  for offset in range(0, ids.shape[1], chunk):
+    window = slice(offset, offset + chunk)
+    num_new = np.clip(lengths - offset, 0, chunk).astype(np.int32)
+    positions = starts[:, None] + np.arange(offset, offset + chunk, dtype=np.int32)
+    last_index = np.clip(lengths - 1 - offset, 0, chunk - 1).astype(np.int32)
+    args = (
+        params,
+        cache,
+        ids[:, window],
+        positions,
+        num_new,
+        last_index,
+        protected[:, window],
+        segment[:, window],
+        jax.random.fold_in(key, int(starts.max()) + offset),
+    )
+    step = _compiled(_prefill_chunk, statics, *args)
+    logits, cache, pages = step(*args)
+    ends_here = (lengths - 1 >= offset) & (lengths - 1 < offset + chunk)
+    last_logits = jnp.where(ends_here[:, None], logits, last_logits)
+    peak = max(peak, int(pages))
+  check_status(cache)
+  added = lengths > 0
+  return state.replace(
+      cache=cache,
+      logits=jax.block_until_ready(last_logits),
+      position=jnp.asarray(starts + lengths, jnp.int32),
+      done=state.done & ~jnp.asarray(added),
+      peak_pages=jnp.int32(peak),
+  )
+
+
+def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
+  """The state, owned by the caller's next step (copied unless `donate`), with room for
+  `more` tokens per row: past the model's context is an error; a full cache that is too
+  short grows (pages added, page tables lengthened)."""
+  furthest = int(np.asarray(state.position).max()) + more
+  if furthest > shape.max_context:
+    raise ValueError(
+        f"the state's rows reach position {furthest - more}; {more} more tokens pass the "
+        f"model context {shape.max_context}"
+    )
+  if not donate:
+    state = _copy(state)
+  cfg = state.plan.config
+  if state.plan.eviction is not None or furthest <= cfg.max_tokens:
+    return state
+  ps = cfg.page_size
+  capacity = min(max(furthest, 2 * cfg.max_tokens), shape.max_context)
+  capacity = math.ceil(capacity / ps) * ps
+  new_cfg = dataclasses.replace(cfg, max_tokens=capacity)
+  cache = state.cache
+  extra = (capacity - cfg.max_tokens) // ps * cache.num_layers * cache.batch_size * cache.num_kv_heads
+  p = cache.num_pages
+  num_free = int(cache.pages.num_free)
+  pad = lambda x, value: jnp.concatenate(  # noqa: E731
+      [x, jnp.full((extra, *x.shape[1:]), value, x.dtype)]
+  )
+  free = np.zeros(p + extra, np.int32)
+  free[:extra] = np.arange(p + extra - 1, p - 1, -1)  # new pages, low ids popped first
+  free[extra : extra + num_free] = np.asarray(cache.pages.free_pages)[:num_free]
+  table = cache.page_table
+  grown = cache.replace(
+      k_pages=pad(cache.k_pages, 0),
+      v_pages=pad(cache.v_pages, 0),
+      slots={s.name: pad(cache.slots[s.name], s.empty) for s in cache.slot_specs},
+      pages=cache.pages.replace(
+          table=jnp.concatenate(
+              [table, jnp.full((*table.shape[:-1], new_cfg.max_pages - cfg.max_pages), NULL_PAGE, jnp.int32)],
+              axis=-1,
+          ),
+          free_pages=jnp.asarray(free),
+          num_free=jnp.int32(num_free + extra),
+      ),
+      config=new_cfg,
+  )
+  return state.replace(cache=grown, plan=dataclasses.replace(state.plan, config=new_cfg))

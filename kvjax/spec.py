@@ -1,0 +1,242 @@
+"""`CompressionSpec`: every choice about how a cache is compressed, validated once, and the one
+place where a budget becomes pages.
+
+    spec = kvjax.CompressionSpec(policy="h2o", budget=0.25, budget_schedule="pyramid")
+
+The same object drives `kvjax.prefill`, `kvjax.generate`, `kvjax.eval` and the CLI (whose
+flags are generated from the fields below, see `kvjax.cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvjax.config import GROUP_REDUCTIONS, CacheConfig, min_budget
+from kvjax.policies import BUDGET_SCHEDULES, EvictionPlan, Full, Policy, get_policy, layer_budgets
+
+ATTENTION_IMPLS = ("auto", "pallas", "ref")
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _field(default, help: str, **cli):
+  """A spec field; `help` and `cli` options (choices, metavar) generate its CLI flag."""
+  return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSpec:
+  """How a KV cache is compressed. Frozen and hashable; every field is checked here, so a
+  bad value fails before any model work, with the name the user typed."""
+
+  policy: str | Policy = _field(
+      "full", "eviction policy (a name, or a kvjax.policies.Policy); 'full' keeps every token"
+  )
+  budget: int | float | None = _field(
+      None,
+      "KV tokens kept per sequence (layer x row x kv head), or a fraction in (0, 1) of the "
+      "longest prompt; required by every policy but 'full'",
+  )
+  budget_schedule: str = _field(
+      "uniform", "per-layer budgets with the same mean", choices=BUDGET_SCHEDULES
+  )
+  per_head: bool = _field(False, "split each layer's budget across its kv heads by global top-k")
+  sink: int = _field(4, "first tokens of every sequence, never evicted")
+  recent: int | None = _field(None, "last tokens of every sequence, never evicted (default budget // 4)")
+  page_size: int = _field(16, "tokens per cache page")
+  group_size: int | None = _field(
+      None, "eviction granularity: 1 (tokens) or page_size (pages); default per policy"
+  )
+  group_reduce: str = _field(
+      "mean", "how token scores combine into a group's importance", choices=GROUP_REDUCTIONS
+  )
+  fair: bool = _field(False, "every marked segment loses the same fraction of its tokens")
+  prefill_chunk: int = _field(
+      256, "prompt tokens per prefill step (eviction runs after each chunk)"
+  )
+  attention_impl: str = _field(
+      "auto", "attention and scoring kernels: Pallas where verified, or the jnp reference",
+      choices=ATTENTION_IMPLS,
+  )
+  kv_dtype: str | None = _field(
+      None, "K/V storage dtype (default: the model's)", choices=KV_DTYPES
+  )
+
+  def __post_init__(self):
+    def fail(msg):
+      raise ValueError(f"CompressionSpec: {msg}")
+
+    if not isinstance(self.policy, (str, Policy)):
+      raise TypeError(f"CompressionSpec: policy must be a name or a Policy, got {self.policy!r}")
+    object.__setattr__(self, "policy", get_policy(self.policy))
+    for name in ("sink", "page_size", "prefill_chunk"):
+      value, low = getattr(self, name), 0 if name == "sink" else 1
+      if not _is_int(value) or value < low:
+        fail(f"{name} must be an int >= {low}, got {value!r}")
+    if self.recent is not None and (not _is_int(self.recent) or self.recent < 0):
+      fail(f"recent must be an int >= 0 or None, got {self.recent!r}")
+    for name in ("per_head", "fair"):
+      if not isinstance(getattr(self, name), bool):
+        fail(f"{name} must be True or False, got {getattr(self, name)!r}")
+    for name, choices in (
+        ("budget_schedule", BUDGET_SCHEDULES),
+        ("group_reduce", GROUP_REDUCTIONS),
+        ("attention_impl", ATTENTION_IMPLS),
+    ):
+      if getattr(self, name) not in choices:
+        fail(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      fail(f"kv_dtype must be one of {KV_DTYPES} or None, got {self.kv_dtype!r}")
+    if self.group_size is not None and self.group_size not in (1, self.page_size):
+      fail(f"group_size must be 1 or page_size={self.page_size}, got {self.group_size!r}")
+    budget = self.budget
+    if isinstance(self.policy, Full):
+      if budget is not None:
+        fail(
+            f"budget={budget!r} was given with policy 'full', which keeps every token; "
+            "choose an evicting policy (e.g. policy='h2o') or drop the budget"
+        )
+      return
+    if budget is None:
+      fail(f"policy {self.policy.name!r} evicts to a budget: give budget= (tokens or a fraction)")
+    if isinstance(budget, float):
+      if not 0.0 < budget < 1.0:
+        fail(f"a fractional budget must be in (0, 1), got {budget}")
+    elif not _is_int(budget) or budget < 1:
+      fail(f"budget must be a positive int (tokens) or a fraction in (0, 1), got {budget!r}")
+    if self.per_head and self.group != 1:
+      fail(
+          "per_head budgets need token eviction (group_size=1): block eviction cannot split "
+          "a layer's budget across heads at page granularity"
+      )
+    if _is_int(budget):
+      self._check_budget(int(budget), f"budget={budget}")
+
+  @property
+  def evicts(self) -> bool:
+    return not isinstance(self.policy, Full)
+
+  @property
+  def group(self) -> int:
+    """Eviction granularity in tokens."""
+    if self.group_size is not None:
+      return self.group_size
+    return 1 if self.policy.token_level else self.page_size
+
+  def replace(self, **changes) -> "CompressionSpec":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    """Plain values (the policy by name), e.g. for results files."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["policy"] = self.policy.name
+    return out
+
+  # ---- the budget, in one place ----------------------------------------------------------
+
+  def budget_tokens(self, length: int) -> int | None:
+    """Tokens kept per sequence for a prompt of `length` tokens (None: the full cache): an
+    int budget as given, a fraction of `length` rounded down to whole groups (>= 1 group)."""
+    if not self.evicts:
+      return None
+    if isinstance(self.budget, float):
+      group = self.group
+      tokens = max(group, int(self.budget * length) // group * group)
+      self._check_budget(tokens, f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)")
+      return tokens
+    return int(self.budget)
+
+  def recent_tokens(self, budget: int) -> int:
+    """The protected recent window at a budget: `recent`, or budget // 4 (whole pages for
+    block eviction)."""
+    if self.recent is not None:
+      return self.recent
+    if self.group == 1:
+      return budget // 4
+    return max(self.page_size, budget // 4 // self.page_size * self.page_size)
+
+  def _check_budget(self, tokens: int, what: str):
+    group = self.group
+    if group > 1 and tokens % group:
+      raise ValueError(
+          f"CompressionSpec: {what} must be a multiple of page_size={self.page_size} for "
+          f"block eviction (policy {self.policy.name!r}); or use group_size=1"
+      )
+    floor = min_budget(self.page_size, self.sink, self.recent_tokens(tokens), group)
+    if tokens < floor:
+      raise ValueError(
+          f"CompressionSpec: {what} cannot hold the protected sink={self.sink} and recent="
+          f"{self.recent_tokens(tokens)} tokens: it needs >= {floor} at group size {group}"
+      )
+
+  def plan(self, shape, *, batch: int, longest: int, reserve: int) -> "CachePlan":
+    """Sizes the cache for `batch` rows whose longest prompt is `longest` tokens, with room
+    for `reserve` more tokens per row with the full cache (decode, follow-ups).
+
+    With eviction, page tables hold a layer's budget plus the margin (one page: eviction runs
+    once a sequence passes its budget by a page, so it is amortised over a page of tokens)
+    plus one prefill chunk, and the pool holds exactly what the budgets allow at that peak.
+    """
+    # Short prompts need no full-size chunk; powers of two bound the number of compilations.
+    chunk = min(self.prefill_chunk, 1 << (max(longest, 1) - 1).bit_length())
+    ps = self.page_size
+    dtype = self.kv_dtype or shape.dtype
+    if not self.evicts:
+      capacity = math.ceil((longest + reserve) / ps) * ps
+      cfg = CacheConfig(
+          page_size=ps, max_tokens=capacity, group_reduce=self.group_reduce, dtype=dtype
+      )
+      return CachePlan(cfg, None, min(chunk, capacity), self)
+    budget = self.budget_tokens(longest)
+    group, recent = self.group, self.recent_tokens(budget)
+    n, h = shape.n_layers, shape.n_kv_heads
+    budgets = layer_budgets(
+        budget, n, self.budget_schedule, group, min_budget(ps, self.sink, recent, group)
+    )
+    heads = h if self.per_head else 1
+    margin = ps
+    # Per head, one sequence may take its layer's whole share: H x budget.
+    capacity = math.ceil((int(budgets.max()) * heads + margin + chunk) / ps) * ps
+    pages_per_layer = [
+        h * math.ceil((int(b) + margin + chunk) / ps) + (h if self.per_head else 0)
+        for b in budgets
+    ]
+    cfg = CacheConfig(
+        page_size=ps,
+        max_tokens=capacity,
+        budget=budget,
+        sink=self.sink,
+        recent=recent,
+        threshold=budget + margin,
+        group_size=group,
+        group_reduce=self.group_reduce,
+        num_pages=batch * sum(pages_per_layer) + 1,
+        dtype=dtype,
+    )
+    eviction = EvictionPlan(
+        self.policy,
+        tuple(int(b) for b in budgets),
+        per_head=self.per_head,
+        fair=self.fair,
+        impl=self.attention_impl,
+    )
+    return CachePlan(cfg, eviction, chunk, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+  """A spec resolved for one batch: the cache's configuration, the eviction plan (None for
+  the full cache) and the prefill chunk. Static: jitted steps specialise on it."""
+
+  config: CacheConfig
+  eviction: EvictionPlan | None
+  chunk: int
+  spec: CompressionSpec
+
+  @property
+  def impl(self) -> str:
+    return self.spec.attention_impl
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
