@@ -44,11 +44,14 @@ def rope(x, positions, base=10000.0):
   inv = 1.0 / base ** (jnp.arange(0, d, 2) / d)
   angle = positions[..., None, None] * inv  # [B, T, 1, D/2]
   x1, x2 = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle),
-                          x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], axis=-1)
+  return jnp.concatenate(
+      [x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)],
+      axis=-1,
+  )
 
 
 class Block(nnx.Module):
+
   def __init__(self, c: TinyConfig, rngs: nnx.Rngs):
     self.c = c
     self.norm1 = nnx.LayerNorm(c.d_model, rngs=rngs)
@@ -75,6 +78,7 @@ class Block(nnx.Module):
 
 
 class TinyDecoder(nnx.Module):
+
   def __init__(self, c: TinyConfig, rngs: nnx.Rngs):
     self.config = c
     self.embed = nnx.Embed(c.vocab_size, c.d_model, rngs=rngs)
@@ -114,7 +118,7 @@ def plain_greedy(model: TinyDecoder, ids: list[int], n: int) -> list[int]:
   out = list(ids)
   for _ in range(n):
     out.append(int(jnp.argmax(model(jnp.asarray([out]))[0, -1])))
-  return out[len(ids):]
+  return out[len(ids) :]
 
 
 def main():
@@ -127,10 +131,12 @@ def main():
   own = plain_greedy(model, ids, 8)
   print(f"full cache through the seam == the model's own attention: {full.tokens[0] == own}")
 
-  spec = kvjax.CompressionSpec(policy="h2o", budget=64, sink=4, recent=16)
+  spec = kvjax.CompressionSpec(policy="h2o", budget=64, sink=4, recent=16, prefill_chunk=64)
   h2o = kvjax.generate(model, tokenizer, [ids], spec, max_new_tokens=16)
-  print(f"prompt {len(ids)} tokens; h2o at budget 64 kept peak "
-        f"{h2o.stats['peak_kv_bytes'] / 2**10:.0f} KiB vs full {full.stats['peak_kv_bytes'] / 2**10:.0f} KiB")
+  print(
+      f"prompt {len(ids)} tokens; h2o at budget 64 kept peak "
+      f"{h2o.stats['peak_kv_bytes'] / 2**10:.0f} KiB vs full {full.stats['peak_kv_bytes'] / 2**10:.0f} KiB"
+  )
   print(f"h2o tokens: {h2o.tokens[0]}")
   state = kvjax.prefill(model, [ids], spec)
   state, result = kvjax.decode(model, state, 8)

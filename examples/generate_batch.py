@@ -1,6 +1,6 @@
 """Batched generation: prompts of different lengths in one batch, sampled, then streamed.
 
-    python examples/generate_batch.py
+python examples/generate_batch.py
 """
 
 import kvjax

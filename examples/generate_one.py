@@ -1,6 +1,6 @@
 """Generate from one prompt with the default model (SmolLM2-135M-Instruct, shipped in a wheel).
 
-    python examples/generate_one.py "Explain a KV cache in one sentence."
+python examples/generate_one.py "Explain a KV cache in one sentence."
 """
 
 import sys

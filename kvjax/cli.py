@@ -7,7 +7,6 @@ import dataclasses
 import sys
 import time
 
-
 # ---- the CompressionSpec and Sampling flags: one table, generated from the dataclasses ----
 
 
@@ -104,7 +103,9 @@ def _generate(args) -> int:
   if args.max_new_tokens < 1:
     raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   model, tokenizer = _load(args.model)
-  options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, seed=args.seed)
+  options = dict(
+      max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, seed=args.seed
+  )
   if args.json:
     result = kvjax.generate(model, tokenizer, [args.prompt], spec, **options)
     print(

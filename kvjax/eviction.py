@@ -67,9 +67,7 @@ def evict(
 
   def run(cache):
     g = cfg.group_size
-    importance = group_importance(
-        scores, g, protection_mask(cache), cfg.group_reduce, impl=impl
-    )
+    importance = group_importance(scores, g, protection_mask(cache), cfg.group_reduce, impl=impl)
     # Static bound: one event may drop up to every group; n_evict picks the dynamic count.
     k = n // g
     neg_top, order = jax.lax.top_k(-importance, k)  # lowest importance first

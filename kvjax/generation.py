@@ -85,7 +85,9 @@ def generate(
         f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
         f"context {shape.max_context}"
     )
-  run = _run(model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, seed, key, stream)
+  run = _run(
+      model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, seed, key, stream
+  )
   generation = Generation(run)
   if stream:
     return generation
@@ -122,9 +124,7 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, seed, 
     for _ in range(max_new):
       if bool(np.asarray(state.done).all()):
         break
-      state, step = decode(
-          model, state, 1, sampling=sampling, stop_tokens=stop_tokens, donate=True
-      )
+      state, step = decode(model, state, 1, sampling=sampling, stop_tokens=stop_tokens, donate=True)
       decode_seconds += step.stats["decode_seconds"]
       for row, new in enumerate(step.tokens):
         if step.finish_reasons[row] == "stop":
@@ -165,5 +165,3 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, seed, 
           "cache": dataclasses.asdict(plan.config),
       },
   )
-
-

@@ -69,9 +69,7 @@ def encode_prompts(
       or not isinstance(prompts, (Sequence, np.ndarray))
       or len(prompts) == 0
   ):
-    raise ValueError(
-        "prompts must be a non-empty list of strings, token-id lists or segment lists"
-    )
+    raise ValueError("prompts must be a non-empty list of strings, token-id lists or segment lists")
   ids, protected, segment = [], [], []
   for i, prompt in enumerate(prompts):
     if isinstance(prompt, (str, Segment)):
@@ -90,9 +88,10 @@ def encode_prompts(
             f"{sorted({type(p).__name__ for p in prompt})}"
         )
       parts = [p if isinstance(p, Segment) else Segment(p) for p in prompt]
-      if not any(isinstance(p.text, tuple) and p.text for p in parts) and not "".join(
-          p.text for p in parts if isinstance(p.text, str)
-      ).strip():
+      if (
+          not any(isinstance(p.text, tuple) and p.text for p in parts)
+          and not "".join(p.text for p in parts if isinstance(p.text, str)).strip()
+      ):
         raise ValueError(f"prompts[{i}] is empty")
       pieces = [(p.text, p.protected, n + 1) for n, p in enumerate(parts)]
       if chat:

@@ -37,7 +37,9 @@ class Sampling:
   """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
 
   temperature: float = dataclasses.field(default=0.0, metadata={"help": "0 = greedy"})
-  top_k: int = dataclasses.field(default=0, metadata={"help": "keep the k likeliest tokens; 0 = off"})
+  top_k: int = dataclasses.field(
+      default=0, metadata={"help": "keep the k likeliest tokens; 0 = off"}
+  )
   top_p: float = dataclasses.field(
       default=1.0, metadata={"help": "keep the smallest set of tokens with this much mass"}
   )
@@ -90,7 +92,9 @@ class State:
 @dataclasses.dataclass
 class DecodeResult:
   tokens: list[list[int]]  # generated ids per row, stop token excluded
-  finish_reasons: list[str]  # "stop" (a stop token), "length" (max_new_tokens), "done" (stopped before)
+  finish_reasons: list[
+      str
+  ]  # "stop" (a stop token), "length" (max_new_tokens), "done" (stopped before)
   logits: Array | None  # [B, N, V]: the logits each token was chosen from (return_logits=True)
   stats: dict  # decode_seconds, compile_seconds, compiles, decode_tokens_per_s
 
@@ -317,9 +321,7 @@ def prefill(
   return _prefill(model, state, encoded, prefill_key)
 
 
-def extend(
-    model, state: State, prompts, *, tokenizer=None, donate: bool = False
-) -> State:
+def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False) -> State:
   """Appends more tokens to every row (a follow-up question, a new turn), with the state's
   compression; a row given no tokens (`[]`) is left as it is. Text is encoded as it is (no
   chat template: give the template's tokens yourself for a new chat turn)."""
@@ -432,9 +434,7 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
   if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 1):
     raise ValueError(f"num must be an int >= 1 or None, got {num!r}")
   keys = jax.random.split(state.key, num or 1)
-  copies = [
-      _copy(state).replace(key=keys[i]) for i in range(num or 1)
-  ]
+  copies = [_copy(state).replace(key=keys[i]) for i in range(num or 1)]
   return copies[0] if num is None else copies
 
 
@@ -518,7 +518,9 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   capacity = math.ceil(capacity / ps) * ps
   new_cfg = dataclasses.replace(cfg, max_tokens=capacity)
   cache = state.cache
-  extra = (capacity - cfg.max_tokens) // ps * cache.num_layers * cache.batch_size * cache.num_kv_heads
+  extra = (
+      (capacity - cfg.max_tokens) // ps * cache.num_layers * cache.batch_size * cache.num_kv_heads
+  )
   p = cache.num_pages
   num_free = int(cache.pages.num_free)
   pad = lambda x, value: jnp.concatenate(  # noqa: E731
@@ -534,7 +536,12 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
       slots={s.name: pad(cache.slots[s.name], s.empty) for s in cache.slot_specs},
       pages=cache.pages.replace(
           table=jnp.concatenate(
-              [table, jnp.full((*table.shape[:-1], new_cfg.max_pages - cfg.max_pages), NULL_PAGE, jnp.int32)],
+              [
+                  table,
+                  jnp.full(
+                      (*table.shape[:-1], new_cfg.max_pages - cfg.max_pages), NULL_PAGE, jnp.int32
+                  ),
+              ],
               axis=-1,
           ),
           free_pages=jnp.asarray(free),

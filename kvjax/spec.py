@@ -42,7 +42,9 @@ class CompressionSpec:
   )
   per_head: bool = _field(False, "split each layer's budget across its kv heads by global top-k")
   sink: int = _field(4, "first tokens of every sequence, never evicted")
-  recent: int | None = _field(None, "last tokens of every sequence, never evicted (default budget // 4)")
+  recent: int | None = _field(
+      None, "last tokens of every sequence, never evicted (default budget // 4)"
+  )
   page_size: int = _field(16, "tokens per cache page")
   group_size: int | None = _field(
       None, "eviction granularity: 1 (tokens) or page_size (pages); default per policy"
@@ -55,12 +57,11 @@ class CompressionSpec:
       256, "prompt tokens per prefill step (eviction runs after each chunk)"
   )
   attention_impl: str = _field(
-      "auto", "attention and scoring kernels: Pallas where verified, or the jnp reference",
+      "auto",
+      "attention and scoring kernels: Pallas where verified, or the jnp reference",
       choices=ATTENTION_IMPLS,
   )
-  kv_dtype: str | None = _field(
-      None, "K/V storage dtype (default: the model's)", choices=KV_DTYPES
-  )
+  kv_dtype: str | None = _field(None, "K/V storage dtype (default: the model's)", choices=KV_DTYPES)
 
   def __post_init__(self):
     def fail(msg):
@@ -142,7 +143,9 @@ class CompressionSpec:
     if isinstance(self.budget, float):
       group = self.group
       tokens = max(group, int(self.budget * length) // group * group)
-      self._check_budget(tokens, f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)")
+      self._check_budget(
+          tokens, f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)"
+      )
       return tokens
     return int(self.budget)
 
@@ -198,8 +201,7 @@ class CompressionSpec:
     # Per head, one sequence may take its layer's whole share: H x budget.
     capacity = math.ceil((int(budgets.max()) * heads + margin + chunk) / ps) * ps
     pages_per_layer = [
-        h * math.ceil((int(b) + margin + chunk) / ps) + (h if self.per_head else 0)
-        for b in budgets
+        h * math.ceil((int(b) + margin + chunk) / ps) + (h if self.per_head else 0) for b in budgets
     ]
     cfg = CacheConfig(
         page_size=ps,

@@ -1,9 +1,9 @@
 """Group importance: per-slot scores reduced to one value per group of `group_size`
 consecutive slots (mean, sum or max), +inf for groups holding a protected slot.
 
-`group_importance_reference` is the specification (pure jnp; the same semantics as
-`kvjax.scores.group_importance`), `group_importance_pallas` the kernel and
-`group_importance(..., impl=...)` the dispatcher.
+`group_importance_reference` is the specification (pure jnp; what kvjax's eviction
+ranks groups by), `group_importance_pallas` the kernel and `group_importance(..., impl=...)`
+the dispatcher.
 
 Kernel design: leading axes are flattened to R rows. For group_size > 1 the scores are
 viewed (a free row-major reshape) as [R, NG, gs] and the grid runs over (R, NG / ngb);
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float
 
-from pallas_kernels.paged_attention import check_float_dtypes, resolve_impl
+from pallas_kernels._common import check_dtype_kind, check_float_dtypes, resolve_impl
 
 REDUCTIONS = ("mean", "sum", "max")  # = kvjax.config.GROUP_REDUCTIONS
 _GROUPS_PER_BLOCK = 512  # (512, gs) f32 block: 256 KiB of VMEM once lanes are padded
@@ -33,7 +33,7 @@ _TOKENS_PER_BLOCK = 2048  # group_size == 1: lane-dense (1, 2048) blocks
 
 
 def validate_group_importance_args(token_scores, group_size, protected, reduce):
-  """ValueError/TypeError with the messages of kvjax.scores.group_importance."""
+  """ValueError/TypeError for bad arguments (before any compute)."""
   if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
     raise ValueError(f"group_size must be a positive int, got {group_size!r}")
   if getattr(token_scores, "ndim", 0) < 1:
@@ -48,8 +48,7 @@ def validate_group_importance_args(token_scores, group_size, protected, reduce):
     )
   if reduce not in REDUCTIONS:
     raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-  if not jnp.issubdtype(token_scores.dtype, jnp.floating):
-    raise TypeError(f"token_scores must be floating point, got {token_scores.dtype}")
+  check_dtype_kind(jnp.floating, "floating point", token_scores=token_scores)
   if protected.dtype != jnp.bool_:
     raise TypeError(f"protected must be bool, got {protected.dtype}")
 

@@ -32,19 +32,23 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.paged_attention import (
-    _dot,
+from pallas_kernels._common import (
+    check_dtype_kind,
     check_float_dtypes,
     check_page_table_range,
-    default_pages_per_block,
-    last_live_block,
-    paged_kv_specs,
-    prepare_paged_operands,
+    decode_prologue,
+    dot,
+    gather_pages,
+    head_spec,
+    kernel_block,
+    live_block_spec,
+    live_slots,
+    paged_pallas_call,
     resolve_impl,
-    validate_paged_attention_args,
+    unblock,
+    validate_paged_args,
 )
 
 DEFAULT_EPS = 1e-6  # same clamp of 1 - a as kvjax.scores.output_impact
@@ -52,7 +56,7 @@ DEFAULT_EPS = 1e-6  # same clamp of 1 - a as kvjax.scores.output_impact
 
 def validate_output_impact_args(q, k_pages, v_pages, page_table, lengths, out, lse):
   """ValueError/TypeError for inconsistent shapes or dtypes (before any compute)."""
-  validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, None)
+  validate_paged_args(q, k_pages, v_pages, page_table, lengths)
   b, t, hq, _ = q.shape
   if t != 1:
     raise ValueError(f"output_impact scores one decode query per sequence (T == 1), got T={t}")
@@ -60,9 +64,7 @@ def validate_output_impact_args(q, k_pages, v_pages, page_table, lengths, out, l
     raise ValueError(f"out must have q's shape {q.shape}, got {getattr(out, 'shape', None)}")
   if getattr(lse, "shape", None) != (b, 1, hq):
     raise ValueError(f"lse must be [B, 1, Hq] = {(b, 1, hq)}, got {getattr(lse, 'shape', None)}")
-  for name, x in (("out", out), ("lse", lse)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating point, got {x.dtype}")
+  check_dtype_kind(jnp.floating, "floating point", out=out, lse=lse)
 
 
 def output_impact_reference(
@@ -81,17 +83,15 @@ def output_impact_reference(
   a = exp(q.k * scale - lse); zero for slots at or past `lengths`."""
   validate_output_impact_args(q, k_pages, v_pages, page_table, lengths, out, lse)
   b, _, hq, d = q.shape
-  _, hkv, m = page_table.shape
-  n = m * k_pages.shape[1]
+  hkv = page_table.shape[1]
   g = hq // hkv
   scale = d**-0.5 if scale is None else scale
-  live = jnp.arange(n) < lengths[..., None]  # [B, Hkv, N]
-  k = k_pages[page_table].reshape(b, hkv, n, d).astype(jnp.float32)
-  v = v_pages[page_table].reshape(b, hkv, n, d).astype(jnp.float32)
-  v = jnp.where(live[..., None], v, 0.0)  # unused slots may hold NaN
+  k = gather_pages(k_pages, page_table)  # [B, Hkv, N, D]
+  v = gather_pages(v_pages, page_table, lengths)  # unused slots (may hold NaN) zeroed
+  live = live_slots(lengths, k.shape[2])  # [B, Hkv, N]
   q = q.reshape(b, hkv, g, d).astype(jnp.float32) * scale
   o = out.reshape(b, hkv, g, d).astype(jnp.float32)
-  logits = jnp.einsum("bkgd,bknd->bkgn", q, k)
+  logits = jnp.einsum("bkgd,bknd->bkgn", q, k)  # [B, Hkv, G, N]
   lse = lse.reshape(b, hkv, g, 1).astype(jnp.float32)
   a = jnp.where(live[:, :, None], jnp.exp(jnp.where(live[:, :, None], logits, -jnp.inf) - lse), 0)
   distance = jnp.sqrt(jnp.sum(jnp.square(v[:, :, None] - o[..., None, :]), axis=-1))
@@ -100,45 +100,29 @@ def output_impact_reference(
 
 
 def _output_impact_kernel(
-    table_ref,
-    lengths_ref,
-    q_ref,
-    o_ref,
-    lse_ref,
-    *refs,
+    table_ref,  # [B * Hkv * blocks * ppb] int32, scalar-prefetched (read by the index maps)
+    lengths_ref,  # [B * Hkv] int32, visible slots
+    q_ref,  # [G, D]
+    o_ref,  # [G, D], attention output
+    lse_ref,  # [G, 1] f32
+    *refs,  # K pages ppb x [S, D], V pages ppb x [S, D]; r [1, bk] f32
     scale,
     eps,
-    page_size,
-    pages_per_block,
-    num_kv_heads,
+    **layout,  # page_size, pages_per_block, num_kv_heads
 ):
-  k_refs = refs[:pages_per_block]
-  v_refs = refs[pages_per_block : 2 * pages_per_block]
-  (r_ref,) = refs[2 * pages_per_block :]
-  b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  block_tokens = page_size * pages_per_block
-  length = lengths_ref[b * num_kv_heads + h]
+  i, live, (r_ref,), load = kernel_block(lengths_ref, q_ref, refs, scale=scale, **layout)
 
-  @pl.when(i * block_tokens < length)
+  @pl.when(live)
   def _block():
-    q = q_ref[...].astype(jnp.float32) * scale  # [G, D]
-    k = jnp.concatenate([r[...].astype(jnp.float32) for r in k_refs], axis=0)  # [bk, D]
-    v = jnp.concatenate([r[...].astype(jnp.float32) for r in v_refs], axis=0)
-    s = _dot(q, k, ((1,), (1,)))  # [G, bk]
-    slot = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    live = slot < length
-    a = jnp.where(live, jnp.exp(jnp.where(live, s, -jnp.inf) - lse_ref[...]), 0.0)
+    s, live_slot, v = load()  # [G, bk] (-inf at dead slots), [G, bk], [bk, D] (dead rows 0)
+    a = jnp.where(live_slot, jnp.exp(s - lse_ref[...]), 0.0)
     weight = a / jnp.maximum(1.0 - a, eps)  # [G, bk]
-    live_row = (i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)) < (
-        length
-    )
-    v = jnp.where(live_row, v, 0.0)
     o = o_ref[...].astype(jnp.float32)  # [G, D]
     ones = jnp.ones((1, v.shape[1]), jnp.float32)
-    r = jnp.zeros((1, block_tokens), jnp.float32)
+    r = jnp.zeros((1, v.shape[0]), jnp.float32)  # [1, bk]
     for gi in range(o.shape[0]):  # G <= a handful: unrolled
       diff = v - o[gi : gi + 1, :]  # [bk, D]
-      dist = jnp.sqrt(_dot(ones, diff * diff, ((1,), (1,))))  # [1, bk], lane-dense
+      dist = jnp.sqrt(dot(ones, diff * diff, ((1,), (1,))))  # [1, bk], lane-dense
       r = r + weight[gi : gi + 1, :] * dist
     r_ref[...] = r
 
@@ -158,57 +142,26 @@ def output_impact_pallas(
     interpret=False,
 ) -> Float[Array, "B Hkv N"]:
   """The Pallas kernel (one pass over K/V pages); arguments are not validated here."""
-  b, _, hq, d = q.shape
-  num_pages, page_size, _ = k_pages.shape
-  _, hkv, m = page_table.shape
-  g = hq // hkv
-  n = m * page_size
-  scale = d**-0.5 if scale is None else float(scale)
-  ppb = default_pages_per_block(page_size, m) if pages_per_block is None else pages_per_block
-  bk = ppb * page_size
-  visible = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n)
-  table, lens, num_blocks = prepare_paged_operands(page_table, visible, num_pages, ppb)
-
-  head_spec = pl.BlockSpec((None, None, g, d), lambda b_, h_, i_, *_: (b_, h_, 0, 0))
-  lse_spec = pl.BlockSpec((None, None, g, 1), lambda b_, h_, i_, *_: (b_, h_, 0, 0))
-  kv_specs = paged_kv_specs(page_size, d, hkv, num_blocks * ppb, ppb)
-
-  def r_map(b_, h_, i_, table_ref, lengths_ref):
-    return b_, h_, last_live_block(b_, h_, i_, lengths_ref, hkv, bk), 0, 0
-
-  kernel = functools.partial(
-      _output_impact_kernel,
-      scale=scale,
-      eps=float(eps),
-      page_size=page_size,
-      pages_per_block=ppb,
-      num_kv_heads=hkv,
+  p = decode_prologue(
+      "output_impact_pallas", q, k_pages, page_table, lengths, None, scale, pages_per_block
   )
-  r = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(b, hkv, num_blocks),
-          in_specs=[head_spec, head_spec, lse_spec, *kv_specs, *kv_specs],
-          out_specs=pl.BlockSpec((None, None, None, 1, bk), r_map),
-      ),
-      out_shape=jax.ShapeDtypeStruct((b, hkv, num_blocks, 1, bk), jnp.float32),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")
-      ),
+  b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
+  r = paged_pallas_call(
+      functools.partial(_output_impact_kernel, scale=p.scale, eps=float(eps)),
+      p,
+      in_specs=[head_spec(p, d), head_spec(p, d), head_spec(p, 1)],
+      out_specs=live_block_spec(p, 1),
+      out_shape=jax.ShapeDtypeStruct((b, hkv, p.num_blocks, 1, p.block_tokens), jnp.float32),
       interpret=interpret,
       name="kvjax_output_impact",
   )(
-      table,
-      lens,
       q.reshape(b, hkv, g, d),
       out.reshape(b, hkv, g, d),
       lse.reshape(b, hkv, g, 1).astype(jnp.float32),
-      *([k_pages] * ppb),
-      *([v_pages] * ppb),
+      k_pages,
+      v_pages,
   )
-  r = r.reshape(b, hkv, num_blocks * bk)[..., :n]
-  return jnp.where(jnp.arange(n) < visible[..., None], r, 0.0)
+  return unblock(p, r)[:, :, 0]  # [B, Hkv, N]
 
 
 def output_impact(

@@ -97,7 +97,7 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
         ),
         (
             ["eval", "retention", "--policy", "h2o", "--budget", "8", "--recent", "16"],
-            r"smaller than the protected sink=4 \+ recent=16",
+            r"budget=8 cannot hold the protected sink=4 and recent=16",
         ),
         (["eval", "perplexity", "--text", "/nonexistent/file.txt"], "cannot read text file"),
         (["eval", "perplexity", "--text", "EMPTY"], "is empty"),

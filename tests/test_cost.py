@@ -4,6 +4,7 @@ full cache's zero eviction share, a budget's smaller footprint, and argument err
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax.eval._cost import decode_cost
 from kvjax.testing import tiny_llama
 
@@ -55,7 +56,9 @@ def test_full_cache_costs_no_eviction(full):
 
 @pytest.mark.parametrize("policy", ["h2o", "group_history"])
 def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, policy):
-  cost = decode_cost(tiny, CONTEXT, policy=policy, budget=48, decode_steps=24, repeats=1)
+  cost = decode_cost(
+      tiny, CONTEXT, kvjax.CompressionSpec(policy, budget=48), decode_steps=24, repeats=1
+  )
   assert set(cost) == FIELDS
   assert cost["policy"] == policy and cost["budget_tokens"] == 48
   assert 0.0 <= cost["eviction_share"] <= 1.0
@@ -80,12 +83,13 @@ def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, p
         (CONTEXT, {"decode_steps": 60}, "exceeds the model context 128"),
         (
             CONTEXT,
-            {"policy": "h2o", "budget": 48, "prefill_chunk": 16, "decode_steps": 17},
+            {"spec": {"policy": "h2o", "budget": 48, "prefill_chunk": 16}, "decode_steps": 17},
             "decode_steps=17 exceeds the prefill chunk",
         ),
-        (CONTEXT, {"policy": "h2o"}, "pass budget="),
+        (CONTEXT, {"spec": {"policy": "h2o"}}, "give budget="),
     ],
 )
 def test_bad_input_raises_value_error_naming_it(tiny, context, kwargs, message):
   with pytest.raises(ValueError, match=message):
-    decode_cost(tiny, context, **kwargs)
+    spec = kvjax.CompressionSpec(**kwargs.pop("spec", {}))
+    decode_cost(tiny, context, spec, **kwargs)

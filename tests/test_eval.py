@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax import eval as E
 from kvjax.eval import _data, _report, _sweep, _tasks
 from kvjax.testing import tiny_llama
@@ -18,11 +19,10 @@ def test_full_cache_fidelity_is_exact_and_compression_is_measured():
   model = _tiny_model()
   rng = np.random.default_rng(0)
   context, continuation = rng.integers(0, 64, 96).tolist(), rng.integers(0, 64, 12).tolist()
-  full = E.fidelity(model, None, context, continuation)
+  full = E.fidelity(model, context, continuation, kvjax.CompressionSpec())
   assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["ppl"] == full["ppl_full"]
-  squeezed = E.fidelity(
-      model, None, context, continuation, policy="h2o", budget=16, prefill_chunk=16, page_size=4
-  )
+  spec = kvjax.CompressionSpec(policy="h2o", budget=16, prefill_chunk=16, page_size=4)
+  squeezed = E.fidelity(model, context, continuation, spec)
   assert squeezed["kl"] > 0.0 and squeezed["peak_kv_bytes"] < full["peak_kv_bytes"]
 
 
@@ -39,7 +39,7 @@ def test_compare_predictions_matches_hand_computed_values():
 
 def test_fidelity_rejects_empty_text():
   with pytest.raises(ValueError, match="non-empty context and continuation, got 0 and 3"):
-    E.fidelity(_tiny_model(), None, [], [1, 2, 3])
+    E.fidelity(_tiny_model(), [], [1, 2, 3], kvjax.CompressionSpec())
 
 
 # --- tasks, sweeps and reports (tiny random model with the default model's tokenizer) ---
@@ -94,8 +94,7 @@ def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
       tokenizer,
       "Paris is in France. " * 20,
       "Where is Paris?",
-      policy="h2o",
-      budget=48,
+      kvjax.CompressionSpec(policy="h2o", budget=48),
       max_new_tokens=3,
   )
   assert isinstance(compressed, str)
@@ -109,7 +108,7 @@ def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
     "policy, budget, message",
     [
         ("h2o", 900, "budget=900 .900 tokens. is larger than the request of 256 tokens"),
-        ("h2o", 4, r"smaller than the protected sink=4 \+ recent=1 tokens need \(5"),
+        ("h2o", 4, r"budget=4 cannot hold the protected sink=4 and recent=1 tokens: it needs >= 5"),
         ("h2o", 1.5, r"a fractional budget must be in \(0, 1\), got 1.5"),
         ("h2o", None, "policy 'h2o' evicts to a budget"),
         ("nope", 64, "unknown policy 'nope'"),
@@ -117,13 +116,14 @@ def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
 )
 def test_bad_budgets_and_policies_raise_before_anything_runs(policy, budget, message):
   with pytest.raises(ValueError, match=message):
-    _tasks.resolve_budget(policy, budget, 256)
+    _tasks.resolve_budget(kvjax.CompressionSpec(policy=policy, budget=budget), 256)
 
 
 def test_resolve_budget_rounds_fractions_to_whole_groups():
-  assert _tasks.resolve_budget("full", None, 256) is None
-  assert _tasks.resolve_budget("h2o", 0.3, 256) == 76  # token eviction
-  assert _tasks.resolve_budget("group_history", 0.3, 256) == 64  # whole 16-token pages
+  spec = kvjax.CompressionSpec
+  assert _tasks.resolve_budget(spec(), 256) is None
+  assert _tasks.resolve_budget(spec("h2o", 0.3), 256) == 76  # token eviction
+  assert _tasks.resolve_budget(spec("group_history", 0.3), 256) == 64  # whole 16-token pages
 
 
 def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
@@ -134,7 +134,8 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
   full = E.windowed_fidelity(model, tokenizer, text_ids, **kwargs)
   assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["ppl"] == full["ppl_full"]
   assert len(references) == 2 and full["cases"] == 2 and full["failed"] == 0
-  squeezed = E.windowed_fidelity(model, tokenizer, text_ids, policy="tova", budget=32, **kwargs)
+  spec = kvjax.CompressionSpec(policy="tova", budget=32)
+  squeezed = E.windowed_fidelity(model, tokenizer, text_ids, spec=spec, **kwargs)
   assert len(references) == 2  # the full cache ran once per window
   assert squeezed["kl"] > 0.0 and squeezed["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
   ppl = E.perplexity(model, tokenizer, text_ids, **kwargs)
@@ -169,7 +170,12 @@ def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tok
   full = E.instruction_retention(model, tokenizer, text_ids, context_tokens=256)
   assert full["retention"] == 1.0 and full["retained_all"] == 1.0 and full["cases"] == 3
   tight = E.instruction_retention(
-      model, tokenizer, text_ids, context_tokens=256, policy="streaming", budget=64, depths=(0.5,)
+      model,
+      tokenizer,
+      text_ids,
+      context_tokens=256,
+      spec=kvjax.CompressionSpec(policy="streaming", budget=64),
+      depths=(0.5,),
   )
   # Streaming keeps the sink and the recent window: a mid-context instruction is gone.
   assert tight["retention"] == 0.0 and tight["cases"] == 1
@@ -182,10 +188,10 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
 ):
   real = _sweep._run_one
 
-  def crash_on_tova(task, model, tokenizer, length, policy, *args):
-    if policy == "tova":
+  def crash_on_tova(task, model, tokenizer, length, spec, *args):
+    if spec.policy.name == "tova":
       raise RuntimeError("kernel exploded")
-    return real(task, model, tokenizer, length, policy, *args)
+    return real(task, model, tokenizer, length, spec, *args)
 
   monkeypatch.setattr(_sweep, "_run_one", crash_on_tova)
   results = E.run_sweep(

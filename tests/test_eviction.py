@@ -88,12 +88,8 @@ def test_group_importance_reductions_and_errors():
   np.testing.assert_array_equal(
       group_importance(scores, 2, protected, "mean"), [[2.0, 4.0, np.inf]]
   )
-  np.testing.assert_array_equal(
-      group_importance(scores, 2, protected, "sum"), [[4.0, 8.0, np.inf]]
-  )
-  np.testing.assert_array_equal(
-      group_importance(scores, 3, protected, "max"), [[3.0, np.inf]]
-  )
+  np.testing.assert_array_equal(group_importance(scores, 2, protected, "sum"), [[4.0, 8.0, np.inf]])
+  np.testing.assert_array_equal(group_importance(scores, 3, protected, "max"), [[3.0, np.inf]])
   with pytest.raises(ValueError, match="group_size=4 must divide the token axis T=6"):
     group_importance(scores, 4, protected)
   with pytest.raises(ValueError, match="reduce must be one of"):

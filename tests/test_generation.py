@@ -160,7 +160,9 @@ def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, bud
   model, tokenizer = _tiny_model(), ByteTokenizer()
   prompts = ["the quick brown fox jumps", "hello world, hello paged attention"]
   spec = kvjax.CompressionSpec(policy=policy, budget=budget, prefill_chunk=8, page_size=8)
-  ref = kvjax.generate(model, tokenizer, prompts, spec.replace(attention_impl="ref"), max_new_tokens=12)
+  ref = kvjax.generate(
+      model, tokenizer, prompts, spec.replace(attention_impl="ref"), max_new_tokens=12
+  )
   pallas = kvjax.generate(
       model, tokenizer, prompts, spec.replace(attention_impl="pallas"), max_new_tokens=12
   )

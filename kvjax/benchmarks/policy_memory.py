@@ -45,9 +45,7 @@ def main(argv=None):
     spec = kvjax.CompressionSpec(
         policy=label, prefill_chunk=args.prefill_chunk, page_size=page, **kwargs, **options
     )
-    stats = kvjax.generate(
-        model, tokenizer, [ids], spec, max_new_tokens=args.max_new_tokens
-    ).stats
+    stats = kvjax.generate(model, tokenizer, [ids], spec, max_new_tokens=args.max_new_tokens).stats
     limit = None if stats["layer_budgets"] is None else bound(budget_for_bound(stats))
     within = "-" if limit is None else ("yes" if stats["peak_kv_bytes"] <= limit else "NO")
     print(

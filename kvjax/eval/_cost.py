@@ -21,7 +21,7 @@ def _check_positive_int(name, value):
 def decode_cost(
     model,
     context_ids: Sequence[int],
-    spec: CompressionSpec,
+    spec: CompressionSpec | None = None,
     *,
     decode_steps: int = 32,
     repeats: int = 3,
@@ -45,6 +45,7 @@ def decode_cost(
   events), kv_bytes_peak, kv_bytes_final, prefill_seconds, prefill_compile_seconds,
   decode_compile_seconds.
   """
+  spec = CompressionSpec() if spec is None else spec
   shape_vocab, shape_context = model.config.vocab_size, model.config.max_context
   if isinstance(context_ids, (str, bytes)) or not isinstance(context_ids, (Sequence, np.ndarray)):
     raise ValueError(f"context_ids must be a sequence of token ids, got {type(context_ids)}")

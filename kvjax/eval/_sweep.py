@@ -32,9 +32,7 @@ def bench(
         f"a {context_tokens}-token request with {decode_steps} decode steps needs a prompt of "
         f"{prompt} tokens; the text has {len(ids)}"
     )
-  return decode_cost(
-      model, list(ids[:prompt]), spec, decode_steps=decode_steps, repeats=repeats
-  )
+  return decode_cost(model, list(ids[:prompt]), spec, decode_steps=decode_steps, repeats=repeats)
 
 
 def expand_policies(names: Sequence[str]) -> list[str]:
@@ -125,7 +123,14 @@ def run(
     start = time.perf_counter()
     try:
       metrics = _run_one(
-          task, model, tokenizer, length, specs[length, policy, budget], ids, cases, options,
+          task,
+          model,
+          tokenizer,
+          length,
+          specs[length, policy, budget],
+          ids,
+          cases,
+          options,
           references,
       )
     except Exception as err:  # noqa: BLE001 - a crashed configuration is a result too

@@ -22,11 +22,12 @@ from kvjax.session import decode, extend, prefill
 from kvjax.spec import CompressionSpec
 
 
-def resolve_budget(spec: CompressionSpec, length: int) -> int | None:
+def resolve_budget(spec: CompressionSpec | None, length: int) -> int | None:
   """Tokens kept per sequence for a request of `length` tokens (None: the full cache).
 
   Raises ValueError for a budget larger than the request or one that cannot hold the
   protected sink + recent tokens."""
+  spec = CompressionSpec() if spec is None else spec
   tokens = spec.budget_tokens(length)
   if tokens is not None and tokens > length:
     raise ValueError(
@@ -38,6 +39,7 @@ def resolve_budget(spec: CompressionSpec, length: int) -> int | None:
 
 def _at_budget(spec: CompressionSpec, length: int) -> CompressionSpec:
   """`spec` with its budget in tokens for a request of `length` tokens."""
+  spec = CompressionSpec() if spec is None else spec
   tokens = resolve_budget(spec, length)
   return spec if tokens is None else spec.replace(budget=tokens)
 
@@ -163,7 +165,7 @@ def passkey(
     tokenizer,
     *,
     context_tokens: int,
-    spec: CompressionSpec,
+    spec: CompressionSpec | None = None,
     depths: Sequence[float] = (0.1, 0.5, 0.9),
     trials: int = 1,
     seed: int = 0,
@@ -244,7 +246,7 @@ def windowed_fidelity(
     context_tokens: int,
     continuation_tokens: int = 64,
     windows: int = 2,
-    spec: CompressionSpec,
+    spec: CompressionSpec | None = None,
     references: dict | None = None,
     progress: Callable | None = None,
 ) -> dict:
@@ -292,7 +294,7 @@ def perplexity(
     context_tokens: int,
     continuation_tokens: int = 128,
     windows: int = 2,
-    spec: CompressionSpec,
+    spec: CompressionSpec | None = None,
     **options,
 ) -> dict:
   """Perplexity of real continuations after a compressed context (`ppl`), next to the
@@ -316,7 +318,7 @@ def instruction_retention(
     ids: Sequence[int],
     *,
     context_tokens: int,
-    spec: CompressionSpec,
+    spec: CompressionSpec | None = None,
     instruction: str = _data.RETENTION_INSTRUCTION,
     depths: Sequence[float] = (0.1, 0.5, 0.9),
     seed: int = 0,

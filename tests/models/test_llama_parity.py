@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import kvjax
+import kvjax.seam
 from models import load_hf_dir, load_model, resolve_model
 from models.llama import Llama
 
@@ -46,7 +47,8 @@ def make_forward(model):
 
   @jax.jit
   def forward(state, tokens, positions, cache):
-    return nnx.merge(graphdef, state)(tokens, positions, cache)
+    num_new = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    return kvjax.seam.forward(nnx.merge(graphdef, state), tokens, positions, cache, num_new)
 
   return lambda tokens, positions, cache: forward(state, tokens, positions, cache)
 
