@@ -15,7 +15,13 @@ prompts = [
 
 # Ragged prompts share one batch; each row stops at EOS or max_new_tokens on its own.
 result = kvjax.generate(
-    model, tokenizer, prompts, chat=True, max_new_tokens=48, temperature=0.7, top_p=0.9, seed=0
+    model,
+    tokenizer,
+    prompts,
+    chat=True,
+    max_new_tokens=48,
+    sampling=kvjax.Sampling(temperature=0.7, top_p=0.9),
+    seed=0,
 )
 for prompt, text, reason in zip(prompts, result.texts, result.finish_reasons):
   print(f"## {prompt}\n{text}\n[{reason}]\n")

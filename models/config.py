@@ -42,6 +42,13 @@ class RopeScaling:
       raise ValueError(f"rope_scaling: missing key {e.args[0]!r} in {dict(d)}") from None
 
 
+# ModelConfig fields that must be positive ints.
+SIZE_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+    "max_context",
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a Llama-style decoder. Hashable, so it can be a static jit argument."""
@@ -65,16 +72,7 @@ class ModelConfig:
   name: str = "model"
 
   def __post_init__(self):
-    for f in (
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "ffn_dim",
-        "max_context",
-    ):
+    for f in SIZE_FIELDS:
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")

@@ -6,28 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import kvjax
 from kvjax import session
-from kvjax.testing import ByteTokenizer
-from models import ModelConfig, load_llama
+from kvjax.testing import ByteTokenizer, tiny_llama
+from models import load_llama
 from models.llama import Llama
 
 
 def _tiny_model(max_context=128):
-  config = ModelConfig(
-      vocab_size=259,
-      d_model=32,
-      n_layers=2,
-      n_heads=4,
-      n_kv_heads=2,
-      head_dim=8,
-      ffn_dim=64,
-      max_context=max_context,
-      name="tiny",
-  )
-  return Llama(config, rngs=nnx.Rngs(0))
+  return tiny_llama(max_context=max_context)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from flax import nnx
 
 import kvjax
 import models
+from kvjax.benchmarks import print_table
 from kvjax.seam import forward
 
 
@@ -148,10 +149,11 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args(argv)
   print(f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32")
-  print("| measurement | kvjax tokens/s | dense tokens/s | kvjax/dense |")
-  print("|---|---:|---:|---:|")
-  for label, paged, dense in run(args.prompt_tokens, args.contexts, args.steps, args.repeats):
-    print(f"| {label} | {paged:.1f} | {dense:.1f} | {paged / dense:.2f} |")
+  rows = run(args.prompt_tokens, args.contexts, args.steps, args.repeats)
+  print_table(
+      ["measurement", "kvjax tokens/s", "dense tokens/s", "kvjax/dense"],
+      [(label, f"{paged:.1f}", f"{dense:.1f}", f"{paged / dense:.2f}") for label, paged, dense in rows],
+  )
 
 
 if __name__ == "__main__":

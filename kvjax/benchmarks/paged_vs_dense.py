@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from kvjax.benchmarks import print_table
 from pallas_kernels.paged_attention import paged_attention_reference
 
 
@@ -134,10 +135,12 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=1)
   args = parser.parse_args(argv)
   print(f"backend={jax.default_backend()} jax={jax.__version__} batch={args.batch}")
-  print("| cached tokens | paged ms/step | dense ms/step | paged/dense |")
-  print("|---:|---:|---:|---:|")
-  for n, paged, dense, ratio in run(args.sizes, args.steps, args.repeats, batch=args.batch):
-    print(f"| {n} | {paged:.3f} | {dense:.3f} | {ratio:.2f} |")
+  rows = run(args.sizes, args.steps, args.repeats, batch=args.batch)
+  print_table(
+      ["cached tokens", "paged ms/step", "dense ms/step", "paged/dense"],
+      [(n, f"{paged:.3f}", f"{dense:.3f}", f"{ratio:.2f}") for n, paged, dense, ratio in rows],
+      numeric_from=0,
+  )
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -19,35 +21,11 @@ def llama_cpp_permute(w, n_head, n_head_kv=None):
 
 
 def random_params(rng, tied=False, bias=False):
-  p = {"embed": rng.standard_normal((V, D)), "final_norm": rng.standard_normal(D)}
-  if not tied:
-    p["lm_head"] = rng.standard_normal((V, D))
-  for i in range(L):
-    p.update(
-        {
-            f"layers.{i}.{k}": rng.standard_normal(s)
-            for k, s in {
-                "attn_norm": (D,),
-                "wq": (H * HD, D),
-                "wk": (K * HD, D),
-                "wv": (K * HD, D),
-                "wo": (D, H * HD),
-                "mlp_norm": (D,),
-                "w_gate": (F, D),
-                "w_up": (F, D),
-                "w_down": (D, F),
-            }.items()
-        }
-    )
-    if bias:
-      p.update(
-          {
-              f"layers.{i}.bq": rng.standard_normal(H * HD),
-              f"layers.{i}.bk": rng.standard_normal(K * HD),
-              f"layers.{i}.bv": rng.standard_normal(K * HD),
-          }
-      )
-  return {k: v.astype(np.float32) for k, v in p.items()}
+  config = ModelConfig(
+      vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=HD, ffn_dim=F
+  )
+  config = dataclasses.replace(config, tie_embeddings=tied, qkv_bias=bias)
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in config.param_shapes().items()}
 
 
 GGUF_NAMES = {

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from models.config import ModelConfig, RopeScaling
+from models.config import SIZE_FIELDS, ModelConfig, RopeScaling
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
 
@@ -98,19 +98,7 @@ def test_valid_config_is_hashable_and_normalised():
   assert (c.q_dim, c.kv_dim) == (32, 16)
 
 
-@pytest.mark.parametrize(
-    "field",
-    [
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "ffn_dim",
-        "max_context",
-    ],
-)
+@pytest.mark.parametrize("field", SIZE_FIELDS)
 @pytest.mark.parametrize("value", [0, -1, 2.0, True])
 def test_sizes_must_be_positive_ints(field, value):
   with pytest.raises(ValueError, match=field):

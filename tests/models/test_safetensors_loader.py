@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import ml_dtypes
@@ -5,6 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from models.config import ModelConfig
 from models.safetensors_loader import load_hf_dir
 
 V, D, L, H, K, HD, F = 50, 32, 2, 4, 2, 8, 48
@@ -55,24 +57,16 @@ def random_checkpoint(rng, tied=False, bias=False, save_lm_head=None):
     hf["lm_head.weight"] = rng.standard_normal((V, D))
     if not tied:
       canon["lm_head"] = hf["lm_head.weight"]
-  shapes = {
-      "attn_norm": (D,),
-      "wq": (H * HD, D),
-      "wk": (K * HD, D),
-      "wv": (K * HD, D),
-      "wo": (D, H * HD),
-      "mlp_norm": (D,),
-      "w_gate": (F, D),
-      "w_up": (F, D),
-      "w_down": (D, F),
-  }
-  if bias:
-    shapes.update(bq=(H * HD,), bk=(K * HD,), bv=(K * HD,))
-  for i in range(L):
-    for k, s in shapes.items():
+  config = ModelConfig(
+      vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=HD, ffn_dim=F
+  )
+  shapes = dataclasses.replace(config, qkv_bias=bias).param_shapes()
+  for key, s in shapes.items():
+    if key.startswith("layers."):
+      _, i, k = key.split(".")
       a = rng.standard_normal(s)
       hf[f"model.layers.{i}.{HF_NAMES[k]}"] = a
-      canon[f"layers.{i}.{k}"] = a
+      canon[key] = a
   return hf, canon
 
 
