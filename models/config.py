@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -214,3 +215,22 @@ def check_params(
           f"{source}: tensor {k!r} has shape {tuple(params[k].shape)}, "
           f"expected {shape} from the config"
       )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorNames:
+  """How one checkpoint format names its tensors: whole-model names, and a per-layer pattern
+  (`layer_re` with groups (layer index, tensor name)) with per-layer names."""
+
+  globals: Mapping[str, str]
+  layer_re: re.Pattern
+  layers: Mapping[str, str]
+
+  def canonical(self, name: str, source: str) -> str:
+    """The canonical parameter name of tensor `name`; ValueError naming an unknown one."""
+    if name in self.globals:
+      return self.globals[name]
+    m = self.layer_re.fullmatch(name)
+    if not m or m.group(2) not in self.layers:
+      raise ValueError(f"{source!r}: unexpected tensor {name!r}")
+    return f"layers.{m.group(1)}.{self.layers[m.group(2)]}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig, check_params
+from .config import ModelConfig, TensorNames, check_params
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -34,7 +34,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_NAMES = TensorNames(_GLOBAL_NAMES, re.compile(r"blk\.(\d+)\.(.+)"), _LAYER_NAMES)
 
 
 def open_gguf(path: str | os.PathLike):
@@ -70,6 +70,19 @@ def _f32(v) -> float:
   return float(str(np.float32(v)))
 
 
+_EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
+
+
+def gguf_eos_ids(md: dict[str, Any]) -> tuple[int, ...]:
+  """The ids that end a turn in GGUF metadata (end of sequence, of turn, of message), in
+  order, each once."""
+  return tuple(dict.fromkeys(md[k] for k in _EOS_KEYS if k in md))
+
+
 def _config_from_metadata(
     md: dict[str, Any], path: Path, vocab_rows: int, tied: bool, qkv_bias: bool
 ) -> ModelConfig:
@@ -97,17 +110,7 @@ def _config_from_metadata(
         f"{str(path)!r}: partial RoPE ({arch}.rope.dimension_count={rot} != "
         f"head_dim={head_dim}) is not supported"
     )
-  eos_ids = tuple(
-      dict.fromkeys(  # ordered, de-duplicated
-          md[k]
-          for k in (
-              "tokenizer.ggml.eos_token_id",
-              "tokenizer.ggml.eot_token_id",
-              "tokenizer.ggml.eom_token_id",
-          )
-          if k in md
-      )
-  )
+  eos_ids = gguf_eos_ids(md)
   return ModelConfig(
       vocab_size=int(get("vocab_size", vocab_rows)),
       d_model=d,
@@ -166,13 +169,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
   params: dict[str, np.ndarray] = {}
   for name, t in tensors.items():
-    if name in _GLOBAL_NAMES:
-      key = _GLOBAL_NAMES[name]
-    else:
-      m = _LAYER_RE.fullmatch(name)
-      if not m or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"{str(path)!r}: unexpected tensor {name!r}")
-      key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    key = _NAMES.canonical(name, str(path))
     w = _dequantize(t, path)
     # llama.cpp permutes q/k only for the "llama" arch (qwen2 already uses NEOX-style RoPE).
     kind = key.rsplit(".", 1)[-1]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig, check_params
+from .config import ModelConfig, TensorNames, check_params
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed",
@@ -31,7 +31,7 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_NAMES = TensorNames(_GLOBAL_NAMES, re.compile(r"model\.layers\.(\d+)\.(.+)"), _LAYER_NAMES)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -102,13 +102,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
         for name in sf.keys():
           if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers
             continue
-          if name in _GLOBAL_NAMES:
-            key = _GLOBAL_NAMES[name]
-          else:
-            m = _LAYER_RE.fullmatch(name)
-            if not m or m.group(2) not in _LAYER_NAMES:
-              raise ValueError(f"{str(f)!r}: unexpected tensor {name!r}")
-            key = f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+          key = _NAMES.canonical(name, str(f))
           if key in params:
             raise ValueError(f"{str(f)!r}: tensor {name!r} appears in several shards")
           params[key] = np.asarray(sf.get_tensor(name), dtype=np.float32)

@@ -71,7 +71,7 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, source: str | os.PathLike | Mapping[str, Any] | Any) -> Tokenizer:
     """Rebuild from GGUF metadata: a .gguf path, a `GGUFReader`, or `load_gguf`'s metadata."""
-    from .gguf_loader import open_gguf, read_metadata
+    from .gguf_loader import gguf_eos_ids, open_gguf, read_metadata
 
     if isinstance(source, (str, os.PathLike)):
       md = read_metadata(open_gguf(source))
@@ -117,19 +117,10 @@ class Tokenizer:
             if ty == _USER_DEFINED
         ]
     )
-    eos_ids = dict.fromkeys(
-        md[k]
-        for k in (
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-        )
-        if k in md
-    )
     return cls(
         tok,
         bos_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=tuple(eos_ids),
+        eos_ids=gguf_eos_ids(md),
         chat_template=md.get("tokenizer.chat_template"),
     )
 

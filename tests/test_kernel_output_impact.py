@@ -7,20 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import (  # noqa: F401 (release_compiled_code: autouse fixture)
-    CASE_NAMES,
-    CASES,
-    TOL,
-    case_problem,
-    jitted,
-    kernel_interpret,
-    lengths_for,
-    live_slots,
-    must_not_launch,
-    paged_problem,
-    release_compiled_code,
-    small_paged_args,
-)
+
+import kernel_helpers as kh
+from kernel_helpers import release_compiled_code  # noqa: F401 (autouse fixture)
 
 import pallas_kernels.output_impact as oi
 from kvjax import scores
@@ -30,22 +19,22 @@ from pallas_kernels.paged_attention import paged_attention
 
 def _with_attention(args):
   """(q, k, v, table, lengths, out, lse) with out/lse from the reference attention."""
-  out, _, lse = jitted(paged_attention, impl="ref", return_lse=True)(*args)
+  out, _, lse = kh.jitted(paged_attention, impl="ref", return_lse=True)(*args)
   return (*args, out, lse)
 
 
-@pytest.mark.parametrize(CASE_NAMES, CASES)
+@pytest.mark.parametrize(kh.CASE_NAMES, kh.CASES)
 def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
-  args = _with_attention(case_problem(page_size, group, head_dim, length_kind, dtype, "oi"))
-  got = jitted(
-      output_impact, impl="pallas", interpret=kernel_interpret(), pages_per_block=pages_per_block
+  args = _with_attention(kh.case_problem(page_size, group, head_dim, length_kind, dtype, "oi"))
+  got = kh.jitted(
+      output_impact, impl="pallas", interpret=kh.kernel_interpret(), pages_per_block=pages_per_block
   )(*args)
-  want = jitted(output_impact_reference)(*args)
-  live = live_slots(args)  # [B, Hkv, N]
+  want = kh.jitted(output_impact_reference)(*args)
+  live = kh.live_slots(args)  # [B, Hkv, N]
   assert got.shape == want.shape == live.shape
   assert got.dtype == jnp.float32 and np.isfinite(got).all()
   # r carries a/(1-a) (up to 1/eps for a lone token): compare relative to the scale of r.
-  tol = TOL[dtype]
+  tol = kh.TOL[dtype]
   scale = max(1.0, float(np.abs(want).max()))
   np.testing.assert_allclose(got / scale, want / scale, **tol)
   assert (np.asarray(got)[~live] == 0).all()
@@ -69,8 +58,8 @@ def _reference_and_scores(q, kp, vp, table, lens):
 
 @pytest.mark.parametrize("page_size, group, length_kind", [(8, 3, "ragged"), (16, 8, "boundary")])
 def test_reference_agrees_with_kvjax_scores(page_size, group, length_kind):
-  lengths, m = lengths_for(length_kind, page_size)
-  args = paged_problem(1, page_size, 2, group, lengths, m, 64)
+  lengths, m = kh.lengths_for(length_kind, page_size)
+  args = kh.paged_problem(1, page_size, 2, group, lengths, m, 64)
   r, want = jax.jit(_reference_and_scores)(*args)
   assert np.abs(r).max() > 0
   np.testing.assert_allclose(r, want, atol=1e-5, rtol=1e-5)
@@ -96,17 +85,17 @@ def test_hand_computed_worked_example():
   want = [4.5, 1.125, 13.5, 0.0, 0.0, 0.0]
   np.testing.assert_allclose(output_impact_reference(*args, scale=1.0)[0, 0], want, rtol=1e-5)
   got = output_impact(
-      *args, scale=1.0, impl="pallas", interpret=kernel_interpret(), pages_per_block=1
+      *args, scale=1.0, impl="pallas", interpret=kh.kernel_interpret(), pages_per_block=1
   )
   np.testing.assert_allclose(got[0, 0], want, rtol=1e-5)
 
 
 def test_generic_interpreter_and_padding_rows():
   # A row whose lse is +inf (a padding query) scores 0 everywhere.
-  args = list(_with_attention(paged_problem(8, 8, 2, 3, [13, 20], 3, 64)))
+  args = list(_with_attention(kh.paged_problem(8, 8, 2, 3, [13, 20], 3, 64)))
   args[6] = args[6].at[1].set(jnp.inf)
-  got = jitted(output_impact, impl="pallas", interpret=True)(*args)
-  want = jitted(output_impact_reference)(*args)
+  got = kh.jitted(output_impact, impl="pallas", interpret=True)(*args)
+  want = kh.jitted(output_impact_reference)(*args)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert (np.asarray(got)[1] == 0).all() and (np.asarray(got)[0] > 0).any()
 
@@ -129,14 +118,14 @@ def test_generic_interpreter_and_padding_rows():
     ],
 )
 def test_rejects_bad_arguments_before_launch(monkeypatch, change, error, match):
-  monkeypatch.setattr(oi, "output_impact_pallas", must_not_launch)
+  monkeypatch.setattr(oi, "output_impact_pallas", kh.must_not_launch)
   out, lse = np.zeros((1, 1, 4, 8), np.float32), np.zeros((1, 1, 4), np.float32)
-  args = small_paged_args(change, out=out, lse=lse)
+  args = kh.small_paged_args(change, out=out, lse=lse)
   with pytest.raises(error, match=match):
     output_impact(**args, impl="pallas", interpret=True)
 
 
 def test_kernel_lowers_for_tpu():
-  args = _with_attention(paged_problem(6, 16, 2, 3, [20, 33], 3, 128, "bfloat16"))
+  args = _with_attention(kh.paged_problem(6, 16, 2, 3, [20, 33], 3, 128, "bfloat16"))
   fn = jax.jit(functools.partial(oi.output_impact_pallas, interpret=False))
   assert "tpu_custom_call" in jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()

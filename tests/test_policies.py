@@ -455,6 +455,12 @@ def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
   assert int(cache.length.max()) <= BUDGET + PAGE
 
 
+def _generate_prompt(model, tokenizer, **spec):
+  """`generate` on PROMPT with the test's chunk and page size."""
+  spec = kvjax.CompressionSpec(prefill_chunk=CHUNK, page_size=PAGE, **spec)
+  return kvjax.generate(model, tokenizer, [PROMPT], spec, max_new_tokens=MAX_NEW)
+
+
 def _peak_bound(layers, batch, heads, budget, page, chunk, bytes_per_token):
   return layers * batch * heads * math.ceil((budget + page + chunk) / page) * page * bytes_per_token
 
@@ -463,13 +469,7 @@ def _peak_bound(layers, batch, heads, budget, page, chunk, bytes_per_token):
 def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
   model, tokenizer = tiny
   c = model.config
-  result = kvjax.generate(
-      model,
-      tokenizer,
-      [PROMPT],
-      kvjax.CompressionSpec(policy=name, budget=BUDGET, prefill_chunk=CHUNK, page_size=PAGE),
-      max_new_tokens=MAX_NEW,
-  )
+  result = _generate_prompt(model, tokenizer, policy=name, budget=BUDGET)
   stats = result.stats
   assert stats["prompt_tokens"] == [PROMPT_LEN]
   bytes_per_token = 2 * c.head_dim * 4
@@ -592,19 +592,8 @@ def test_per_head_prefill_splits_each_layer_budget_unevenly(tiny):
 def test_pyramid_per_head_generate_stays_within_its_pool(tiny):
   model, tokenizer = tiny
   c = model.config
-  result = kvjax.generate(
-      model,
-      tokenizer,
-      [PROMPT],
-      kvjax.CompressionSpec(
-          policy="h2o",
-          budget=BUDGET,
-          budget_schedule="pyramid",
-          per_head=True,
-          prefill_chunk=CHUNK,
-          page_size=PAGE,
-      ),
-      max_new_tokens=MAX_NEW,
+  result = _generate_prompt(
+      model, tokenizer, policy="h2o", budget=BUDGET, budget_schedule="pyramid", per_head=True
   )
   stats = result.stats
   assert stats["per_head"] and stats["layer_budgets"] == [24, 19, 13, 8]

@@ -152,7 +152,10 @@ def main(argv=None):
   rows = run(args.prompt_tokens, args.contexts, args.steps, args.repeats)
   print_table(
       ["measurement", "kvjax tokens/s", "dense tokens/s", "kvjax/dense"],
-      [(label, f"{paged:.1f}", f"{dense:.1f}", f"{paged / dense:.2f}") for label, paged, dense in rows],
+      [
+          (label, f"{paged:.1f}", f"{dense:.1f}", f"{paged / dense:.2f}")
+          for label, paged, dense in rows
+      ],
   )
 
 
