@@ -112,6 +112,9 @@ class Policy:
   needs_head_probs: ClassVar[bool] = False
   needs_lse: ClassVar[bool] = False  # stats.lse: the attention's log-sum-exp
   needs_logits: ClassVar[bool] = False  # observe_logits needs logits of every token
+  # Scores the whole prefilled context at once (nothing evicted during prefill), then
+  # evicts every sequence to its share of one global ranking (see `KVzip`).
+  query_agnostic: ClassVar[bool] = False
 
   def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
     return cache
@@ -319,6 +322,46 @@ class InfoAware(AttentionHistory):
     return self.alpha * attention + (1.0 - self.alpha) * info
 
 
+@dataclasses.dataclass(frozen=True)
+class KVzip(Policy):
+  """KVzip (Kim et al., 2025), query-agnostic. After the context is prefilled (nothing
+  evicted), the model is asked to repeat it, `chunk` context tokens at a time on a fork of
+  the state; a KV pair's score is the largest attention it receives from those
+  reconstruction queries (max over the query heads of its kv head). One ranking across all
+  layers and kv heads of a row then sets how many tokens each sequence keeps, and the pool
+  is re-laid out to what is kept: the compressed context serves any later question."""
+
+  name: ClassVar[str] = "kvzip"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
+  needs_head_probs: ClassVar[bool] = True
+  query_agnostic: ClassVar[bool] = True
+  chunk: int = 512  # context tokens repeated per reconstruction pass
+
+  def observe(self, cache, stats):
+    # stats.head_probs: [B, Hq, T, N]; padded queries (t >= num_new) count for nothing.
+    b, hq, t, n = stats.head_probs.shape
+    live = (jnp.arange(t) < stats.num_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    probs = jnp.where(live, stats.head_probs, 0.0)
+    peak = probs.reshape(b, cache.num_kv_heads, hq // cache.num_kv_heads * t, n).max(axis=2)
+    current = read_layer(cache, "score", stats.layer)
+    return write_layer(cache, "score", stats.layer, jnp.maximum(current, peak))
+
+
+def global_budgets(
+    scores: Float[Array, "L B H N"], protected, valid, budget: int
+) -> Int[Array, "L B H"]:
+  """Tokens each sequence keeps when every row keeps its L x H x `budget` highest-scoring
+  tokens across all its layers and kv heads (protected tokens always count in): one global
+  ranking, so sequences whose tokens matter more keep more."""
+  l, b, h, n = scores.shape
+  ranked = jnp.where(protected & valid, jnp.inf, jnp.where(valid, scores, -jnp.inf))
+  per_row = ranked.transpose(1, 0, 2, 3).reshape(b, l * h * n)  # [B, L*H*N]
+  k = min(budget * l * h, l * h * n)
+  cutoff = jax.lax.top_k(per_row, k)[0][:, -1]  # [B] the k-th largest score of each row
+  kept = (ranked >= cutoff[None, :, None, None]) & valid
+  return kept.sum(-1).astype(jnp.int32)
+
+
 POLICIES: dict[str, type[Policy]] = {}
 
 
@@ -339,6 +382,7 @@ for _cls in (
     Random,
     OutputImpact,
     InfoAware,
+    KVzip,
 ):
   register(_cls)
 

@@ -26,7 +26,17 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import NULL_PAGE, PagedKVCache, Status, check_status, init_cache
+from kvjax.cache import (
+    NULL_PAGE,
+    PagedKVCache,
+    Status,
+    check_status,
+    init_cache,
+    logical_view,
+    valid_mask,
+)
+from kvjax.eviction import evict, protection_mask
+from kvjax.policies import global_budgets
 from kvjax.prompts import EncodedPrompts, encode_prompts
 from kvjax.seam import ModelShape, forward
 from kvjax.spec import CachePlan, CompressionSpec
@@ -318,7 +328,13 @@ def prefill(
       peak_pages=jnp.int32(0),
       plan=plan,
   )
-  return _prefill(model, state, encoded, prefill_key)
+  if not plan.compresses_after_prefill:
+    return _prefill(model, state, encoded, prefill_key)
+  # Query-agnostic: prefill the whole context without observing, then score and compress.
+  state = _prefill(
+      model, state.replace(plan=dataclasses.replace(plan, eviction=None)), encoded, prefill_key
+  )
+  return _compress(model, state.replace(plan=plan), encoded, tokenizer, reserve, shape)
 
 
 def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False) -> State:
@@ -500,8 +516,9 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key) -> State:
 
 def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   """The state, owned by the caller's next step (copied unless `donate`), with room for
-  `more` tokens per row: past the model's context is an error; a full cache that is too
-  short grows (pages added, page tables lengthened)."""
+  `more` tokens per row: past the model's context is an error; a cache that keeps every
+  token (the full cache, or a context compressed once) grows when it is too short: longer
+  page tables, more pages (new shapes, compiled once)."""
   furthest = int(np.asarray(state.position).max()) + more
   if furthest > shape.max_context:
     raise ValueError(
@@ -510,26 +527,32 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     )
   if not donate:
     state = _copy(state)
-  cfg = state.plan.config
-  if state.plan.eviction is not None or furthest <= cfg.max_tokens:
-    return state
+  if state.plan.eviction is not None:
+    return state  # an evicting cache stays within its budget
+  cache, cfg = state.cache, state.cache.config
   ps = cfg.page_size
-  capacity = min(max(furthest, 2 * cfg.max_tokens), shape.max_context)
-  capacity = math.ceil(capacity / ps) * ps
-  new_cfg = dataclasses.replace(cfg, max_tokens=capacity)
-  cache = state.cache
-  extra = (
-      (capacity - cfg.max_tokens) // ps * cache.num_layers * cache.batch_size * cache.num_kv_heads
-  )
-  p = cache.num_pages
+  length = np.asarray(cache.length)
   num_free = int(cache.pages.num_free)
+  needed = int(np.sum(-(-(length + more) // ps) - -(-length // ps)))
+  capacity = cfg.max_tokens
+  if int(length.max()) + more <= capacity and needed <= num_free:
+    return state
+  # Grow by at least half of what each sequence can hold, so growth is rare.
+  room = max(more, capacity // 2)
+  top = math.ceil(shape.max_context / ps) * ps
+  if int(length.max()) + more > capacity:
+    capacity = min(math.ceil((int(length.max()) + room) / ps) * ps, top)
+  needed = int(np.sum(-(-np.minimum(length + room, capacity) // ps) - -(-length // ps)))
+  extra = max(needed - num_free, 0)
+  p = cache.num_pages
   pad = lambda x, value: jnp.concatenate(  # noqa: E731
       [x, jnp.full((extra, *x.shape[1:]), value, x.dtype)]
   )
   free = np.zeros(p + extra, np.int32)
-  free[:extra] = np.arange(p + extra - 1, p - 1, -1)  # new pages, low ids popped first
-  free[extra : extra + num_free] = np.asarray(cache.pages.free_pages)[:num_free]
+  free[:num_free] = np.asarray(cache.pages.free_pages)[:num_free]
+  free[num_free : num_free + extra] = np.arange(p + extra - 1, p - 1, -1)
   table = cache.page_table
+  new_cfg = dataclasses.replace(cfg, max_tokens=capacity, num_pages=p + extra)
   grown = cache.replace(
       k_pages=pad(cache.k_pages, 0),
       v_pages=pad(cache.v_pages, 0),
@@ -550,3 +573,84 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
       config=new_cfg,
   )
   return state.replace(cache=grown, plan=dataclasses.replace(state.plan, config=new_cfg))
+
+
+# ---- query-agnostic compression (KVzip) ----------------------------------------------------
+
+RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+
+
+def _compress(
+    model, state: State, encoded: EncodedPrompts, tokenizer, reserve: int, shape: ModelShape
+) -> State:
+  """Scores the prefilled context by reconstruction on forks, evicts every sequence to its
+  share of one global ranking, and re-lays the pool out to what is kept (+ `reserve`)."""
+  plan = state.plan
+  policy = plan.eviction.policy
+  prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
+  owned = state.cache.slot("position") >= 0  # [P, S] the context's slots
+  scores = jnp.zeros_like(state.cache.slot("score"))
+  longest = int(encoded.lengths.max())
+  chunk = min(policy.chunk, shape.max_context - longest - len(prompt))
+  if chunk < 1:
+    raise ValueError(
+        f"policy {policy.name!r} repeats the context after it: a context of {longest} tokens "
+        f"leaves no room in the model context {shape.max_context}"
+    )
+  for start in range(0, longest, chunk):
+    # Each pass repeats one chunk after the whole context, on a fork that is then dropped:
+    # memory stays at the context + one chunk.
+    piece = EncodedPrompts(
+        [prompt + row[start : start + chunk] for row in encoded.ids],
+        [[False] * (len(prompt) + len(row[start : start + chunk])) for row in encoded.ids],
+        [[0] * (len(prompt) + len(row[start : start + chunk])) for row in encoded.ids],
+    )
+    fork = _copy(state)
+    fork = fork.replace(cache=fork.cache.with_slots(score=jnp.zeros_like(scores)))
+    fork = _prefill(model, fork, piece, jax.random.fold_in(state.key, start))
+    scores = jnp.maximum(scores, jnp.where(owned, fork.cache.slot("score"), 0.0))
+    del fork
+  cache = state.cache.with_slots(score=scores)
+  ranked = logical_view(cache, scores)
+  counts = global_budgets(ranked, protection_mask(cache), valid_mask(cache), plan.config.budget)
+  cache = evict(cache, ranked, budget=counts, threshold=counts, impl=plan.impl)
+  check_status(cache)
+  cache = _compact_pool(cache, reserve)
+  # The context is compressed once: later tokens are kept (no observation, no eviction).
+  compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
+  peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
+  return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
+
+
+def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:
+  """The cache in a pool of exactly its live pages, plus room for `reserve` more tokens per
+  sequence: evicted memory is returned, not only marked free."""
+  ps = cache.config.page_size
+  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
+  held = -(-length // ps)
+  owned = np.arange(table.shape[-1]) < held[..., None]  # [L, B, H, M]
+  old_ids = table[owned]  # each live page once (no page is shared)
+  live = len(old_ids)
+  headroom = int(np.sum(-(-(length + reserve) // ps) - held))
+  num_pages = 1 + live + headroom
+  remap = np.zeros(cache.num_pages, np.int32)
+  remap[old_ids] = np.arange(1, live + 1, dtype=np.int32)
+  gather = jnp.asarray(np.concatenate([[NULL_PAGE], old_ids]).astype(np.int32))
+
+  def compact(x, empty):
+    kept = x[gather]
+    return jnp.concatenate([kept, jnp.full((headroom, *x.shape[1:]), empty, x.dtype)])
+
+  free = np.zeros(num_pages, np.int32)
+  free[:headroom] = np.arange(num_pages - 1, live, -1)  # low ids popped first
+  return cache.replace(
+      k_pages=compact(cache.k_pages, 0),
+      v_pages=compact(cache.v_pages, 0),
+      slots={s.name: compact(cache.slots[s.name], s.empty) for s in cache.slot_specs},
+      pages=cache.pages.replace(
+          table=jnp.asarray(np.where(owned, remap[table], NULL_PAGE)),
+          free_pages=jnp.asarray(free),
+          num_free=jnp.int32(headroom),
+      ),
+      config=dataclasses.replace(cache.config, num_pages=num_pages),
+  )

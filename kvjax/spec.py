@@ -110,6 +110,15 @@ class CompressionSpec:
           "per_head budgets need token eviction (group_size=1): block eviction cannot split "
           "a layer's budget across heads at page granularity"
       )
+    if self.policy.query_agnostic:
+      for name, plain in (("budget_schedule", "uniform"), ("per_head", False), ("fair", False)):
+        if getattr(self, name) != plain:
+          fail(
+              f"{name}={getattr(self, name)!r} does not apply to policy {self.policy.name!r}: "
+              "one global ranking across layers and heads sets every sequence's budget"
+          )
+      if self.group != 1:
+        fail(f"policy {self.policy.name!r} evicts single tokens: group_size must be 1")
     if _is_int(budget):
       self._check_budget(int(budget), f"budget={budget}")
 
@@ -193,6 +202,25 @@ class CompressionSpec:
     budget = self.budget_tokens(longest)
     group, recent = self.group, self.recent_tokens(budget)
     n, h = shape.n_layers, shape.n_kv_heads
+    if self.policy.query_agnostic:
+      # The whole context is prefilled before it is scored: the pool holds all of it, and
+      # the session compacts it once the context is compressed.
+      # Room after the context for one reconstruction pass (a chunk and its prompt).
+      room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
+      capacity = math.ceil(max(longest + room, budget + ps + 1) / ps) * ps
+      cfg = CacheConfig(
+          page_size=ps,
+          max_tokens=capacity,
+          budget=budget,
+          sink=self.sink,
+          recent=recent,
+          group_size=1,
+          group_reduce=self.group_reduce,
+          num_pages=batch * n * h * (capacity // ps) + 1,
+          dtype=dtype,
+      )
+      eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
+      return CachePlan(cfg, eviction, chunk, self)
     budgets = layer_budgets(
         budget, n, self.budget_schedule, group, min_budget(ps, self.sink, recent, group)
     )
@@ -238,6 +266,11 @@ class CachePlan:
   @property
   def impl(self) -> str:
     return self.spec.attention_impl
+
+  @property
+  def compresses_after_prefill(self) -> bool:
+    """A query-agnostic policy whose context is still to be scored and compressed."""
+    return self.eviction is not None and self.eviction.policy.query_agnostic
 
 
 def _is_int(x) -> bool:

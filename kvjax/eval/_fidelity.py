@@ -17,12 +17,17 @@ def full_cache_spec(spec: CompressionSpec) -> CompressionSpec:
   return spec.replace(policy="full", budget=None)
 
 
-def continuation_logits(model, context_ids, continuation_ids, spec: CompressionSpec, *, seed=0):
+def continuation_logits(
+    model, context_ids, continuation_ids, spec: CompressionSpec, *, tokenizer=None, seed=0
+):
   """Logits predicting each continuation token [N, V] (the first from the last context
   position), with the context prefilled under `spec` and the continuation fed
-  teacher-forced (decode-time eviction applies); and the peak KV bytes held."""
+  teacher-forced (decode-time eviction applies); and the peak KV bytes held. `tokenizer`
+  is for policies that prompt the model themselves (kvzip's reconstruction prompt)."""
   context_ids, continuation_ids = list(context_ids), list(continuation_ids)
-  state = prefill(model, [context_ids], spec, reserve=len(continuation_ids), seed=seed)
+  state = prefill(
+      model, [context_ids], spec, tokenizer=tokenizer, reserve=len(continuation_ids), seed=seed
+  )
   first = state.logits
   if len(continuation_ids) == 1:
     return first, state.peak_kv_bytes()
@@ -61,6 +66,7 @@ def fidelity(
     spec: CompressionSpec,
     *,
     reference_logits=None,
+    tokenizer=None,
 ) -> dict:
   """Full cache vs compressed cache on the same text.
 
@@ -79,7 +85,9 @@ def fidelity(
     reference_logits, _ = continuation_logits(
         model, context_ids, continuation_ids, full_cache_spec(spec)
     )
-  logits, peak = continuation_logits(model, context_ids, continuation_ids, spec)
+  logits, peak = continuation_logits(
+      model, context_ids, continuation_ids, spec, tokenizer=tokenizer
+  )
   result = compare_predictions(reference_logits, logits, np.asarray(continuation_ids))
   result["peak_kv_bytes"] = peak
   return result

@@ -90,7 +90,14 @@ def _answer(
   # The template's own tokens and the question are protected: the question stays cached
   # while the answer is generated; only the context competes for the budget.
   context = [Segment(opening, protected=True), Segment(list(context_ids))]
-  state = prefill(model, [context], spec, reserve=len(question_ids) + max_new_tokens, seed=seed)
+  state = prefill(
+      model,
+      [context],
+      spec,
+      tokenizer=tokenizer,
+      reserve=len(question_ids) + max_new_tokens,
+      seed=seed,
+  )
   state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=True)
   state, result = decode(
       model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
@@ -266,7 +273,9 @@ def windowed_fidelity(
     key = (tuple(context), tuple(continuation), reference)
     if key not in references:
       references[key] = continuation_logits(model, context, continuation, reference)[0]
-    return fidelity(model, context, continuation, spec, reference_logits=references[key])
+    return fidelity(
+        model, context, continuation, spec, reference_logits=references[key], tokenizer=tokenizer
+    )
 
   results, errors = run_cases(pairs, run, progress)
   done = [r for r in results if r is not None]
@@ -344,7 +353,7 @@ def instruction_retention(
     at = int(round(depth * room))
     # Segments 1, 2, 3: text before, the instruction (not protected), text after.
     row = [Segment(list(ids[:at])), Segment(instruction_ids), Segment(list(ids[at:room]))]
-    state = prefill(model, [row], spec, reserve=1, seed=seed)
+    state = prefill(model, [row], spec, tokenizer=tokenizer, reserve=1, seed=seed)
     cache = state.cache
     kept = (logical_view(cache, cache.slot("segment")) == 2) & valid_mask(cache)  # [L, B, H, N]
     per_sequence = np.asarray(kept.sum(-1)) / len(instruction_ids)  # [L, B, H]

@@ -1,0 +1,122 @@
+"""KVzip: query-agnostic scores from the model repeating its context, one global ranking
+across layers and kv heads, and a pool re-laid out to what is kept."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import policies
+from kvjax.policies import AttentionStats
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+
+CONTEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return tiny_llama(max_context=1024, n_layers=2), ByteTokenizer()
+
+
+def test_score_is_the_largest_attention_from_any_query_head_of_the_kv_head():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=16, budget=4, sink=0, recent=0, group_size=1)
+  cache = kvjax.init_cache(cfg, 1, 1, 2, 4, chunk=8, slots=policies.KVzip.slots)
+  k = jnp.zeros((1, 1, 8, 2, 4))
+  cache = kvjax.append(cache, k, k, jnp.arange(8)[None])
+  head_probs = np.zeros((1, 4, 3, 16), np.float32)  # query heads 0, 1 -> kv 0; 2, 3 -> kv 1
+  head_probs[0, 0, 0, 2] = 0.3
+  head_probs[0, 1, 1, 2] = 0.6  # the larger of two heads' attention to token 2
+  head_probs[0, 2, 0, 5] = 0.2
+  head_probs[0, 3, 2, 5] = 0.9  # query 2 is padding (num_new = 2): ignored
+  stats = AttentionStats(
+      layer=jnp.int32(0),
+      q=jnp.zeros((1, 3, 4, 4)),
+      out=jnp.zeros((1, 3, 4, 4)),
+      probs=jnp.asarray(head_probs.reshape(1, 2, 2, 3, 16).sum(2)),
+      head_probs=jnp.asarray(head_probs),
+      num_new=jnp.array([2], jnp.int32),
+  )
+  cache = policies.KVzip().observe(cache, stats)
+  score = np.asarray(kvjax.logical_view(cache, cache.slot("score")))[0, 0]  # [H, N]
+  expected = np.zeros((2, 16), np.float32)
+  expected[0, 2], expected[1, 5] = 0.6, 0.2
+  np.testing.assert_allclose(score, expected)
+
+
+def test_global_budgets_rank_across_layers_and_heads():
+  # One row, 2 layers x 2 heads x 4 slots; budget 2 per sequence = 8 tokens for the row.
+  scores = jnp.asarray(
+      [[[[9, 8, 7, 6], [0, 0, 0, 1]]], [[[5, 4, 0, 0], [0, 0, 3, 0]]]], jnp.float32
+  )  # [L=2, B=1, H=2, N=4]
+  valid = jnp.ones(scores.shape, bool)
+  protected = jnp.zeros(scores.shape, bool).at[1, 0, 1, 0].set(True)
+  counts = policies.global_budgets(scores, protected, valid, 2)
+  # The 8 largest, the protected one counted in: 9 8 7 6 | - | 5 4 | protected 3 (the 1 is 9th).
+  np.testing.assert_array_equal(np.asarray(counts)[:, 0], [[4, 0], [2, 2]])
+
+
+def test_kvzip_prefill_compresses_unevenly_and_returns_the_memory(tiny):
+  model, tokenizer = tiny
+  c = model.config
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=4, recent=8)
+  state = kvjax.prefill(model, [CONTEXT], spec, tokenizer=tokenizer, reserve=16)
+  n = len(tokenizer.encode(CONTEXT))
+  cache = state.cache
+  assert_cache_invariants(cache)
+  lengths = np.asarray(cache.length)[:, 0]  # [L, H]
+  budget = spec.budget_tokens(n)
+  assert lengths.sum() <= budget * c.n_layers * c.n_kv_heads + 4  # ties aside
+  assert (
+      len(set(lengths.ravel().tolist())) > 1
+  ), "one global ranking: sequences keep different amounts"
+  # Sink and recent tokens of every sequence survive.
+  for layer in range(c.n_layers):
+    for head in range(c.n_kv_heads):
+      kept = kvjax.read_sequence(cache, layer, 0, head)[2].tolist()
+      assert {0, 1, 2, 3, *range(n - 8, n)} <= set(kept)
+  # The pool holds the kept pages plus room for the reserve, not the whole context.
+  sequences = c.n_layers * c.n_kv_heads
+  full_pages = sequences * -(-n // spec.page_size)
+  assert cache.num_pages - 1 <= int(cache.pages_in_use().sum()) + sequences * (-(-16 // 16) + 1)
+  assert cache.num_pages - 1 < full_pages / 2
+  assert state.plan.eviction is None  # compressed once; later tokens are kept
+  # It answers: a follow-up and decoding work on the compressed state.
+  state = kvjax.extend(model, state, [" What is the code?"], tokenizer=tokenizer)
+  state, result = kvjax.decode(model, state, 24)
+  assert len(result.tokens[0]) == 24
+  assert_cache_invariants(state.cache)
+
+
+def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
+  """Every context token is scored by the repeat passes; a token the model attends to more
+  while repeating ranks higher than one it ignores (checked on the score slot directly)."""
+  model, tokenizer = tiny
+  from kvjax import session
+
+  seen = []
+  real = session._prefill
+
+  def spy(model, state, encoded, key):
+    seen.append(encoded.ids[0])
+    return real(model, state, encoded, key)
+
+  monkeypatch.setattr(session, "_prefill", spy)
+  spec = kvjax.CompressionSpec(policy=policies.KVzip(chunk=64), budget=64, sink=4, recent=8)
+  ids = tokenizer.encode(CONTEXT)
+  kvjax.prefill(model, [ids], spec, tokenizer=tokenizer)
+  prompt = tokenizer.encode(kvjax.session.RECONSTRUCTION_PROMPT)
+  assert seen[0] == ids  # the context itself, then one pass per 64-token chunk
+  assert seen[1:] == [prompt + ids[i : i + 64] for i in range(0, len(ids), 64)]
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"budget_schedule": "pyramid"}, "budget_schedule='pyramid' does not apply"),
+        ({"per_head": True}, "per_head=True does not apply"),
+        ({"group_size": 16}, "evicts single tokens"),
+    ],
+)
+def test_kvzip_refuses_options_the_global_ranking_replaces(changes, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.CompressionSpec(policy="kvzip", budget=64, **changes)
