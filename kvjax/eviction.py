@@ -164,3 +164,26 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
           table=jnp.where(freed, NULL_PAGE, cache.page_table), length=new_length
       )
   )
+
+
+def truncate(cache: PagedKVCache, length: Int[Array, "L B H"]) -> PagedKVCache:
+  """Drops every token of each sequence past `length` (e.g. a scratch continuation that
+  scored the context): their pages go back to the pool, their slots are cleared."""
+  ps, m = cache.config.page_size, cache.config.max_pages
+  length = jnp.minimum(jnp.asarray(length, jnp.int32), cache.length)
+  idx = jnp.arange(cache.config.max_tokens)
+  stale = (idx >= length[..., None]) & (idx < cache.length[..., None])
+  page = jnp.where(stale, jnp.repeat(cache.page_table, ps, axis=-1), cache.num_pages)
+  offset = jnp.broadcast_to(idx % ps, page.shape)
+  cache = cache.replace(
+      slots={
+          spec.name: cache.slots[spec.name].at[page, offset].set(spec.empty, mode="drop")
+          for spec in cache.slot_specs
+      }
+  )
+  page_idx = jnp.arange(m)
+  freed = (page_idx >= -(-length // ps)[..., None]) & (page_idx < cache.pages_in_use()[..., None])
+  cache = _free(cache, freed)
+  return cache.replace(
+      pages=cache.pages.replace(table=jnp.where(freed, NULL_PAGE, cache.page_table), length=length)
+  )

@@ -36,6 +36,7 @@ from kvjax.cache import (
     valid_mask,
 )
 from kvjax.eviction import evict, protection_mask
+from kvjax.eviction import truncate as _truncate_cache
 from kvjax.policies import global_budgets
 from kvjax.prompts import EncodedPrompts, encode_prompts
 from kvjax.seam import ModelShape, forward
@@ -583,13 +584,11 @@ RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 def _compress(
     model, state: State, encoded: EncodedPrompts, tokenizer, reserve: int, shape: ModelShape
 ) -> State:
-  """Scores the prefilled context by reconstruction on forks, evicts every sequence to its
-  share of one global ranking, and re-lays the pool out to what is kept (+ `reserve`)."""
+  """Scores the prefilled context by having the model repeat it, evicts every sequence to
+  its share of one global ranking, and re-lays the pool out to what is kept (+ `reserve`)."""
   plan = state.plan
   policy = plan.eviction.policy
   prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
-  owned = state.cache.slot("position") >= 0  # [P, S] the context's slots
-  scores = jnp.zeros_like(state.cache.slot("score"))
   longest = int(encoded.lengths.max())
   chunk = min(policy.chunk, shape.max_context - longest - len(prompt))
   if chunk < 1:
@@ -597,29 +596,36 @@ def _compress(
         f"policy {policy.name!r} repeats the context after it: a context of {longest} tokens "
         f"leaves no room in the model context {shape.max_context}"
     )
+  # Each pass repeats one chunk after the whole context, then the repeated tokens are
+  # dropped again: memory peaks at the context + one chunk, and scores accumulate (max).
+  context_length = jnp.copy(state.cache.length)
+  logits, position = state.logits, state.position
+  cache = state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
+  state = state.replace(cache=cache)
   for start in range(0, longest, chunk):
-    # Each pass repeats one chunk after the whole context, on a fork that is then dropped:
-    # memory stays at the context + one chunk.
-    piece = EncodedPrompts(
-        [prompt + row[start : start + chunk] for row in encoded.ids],
-        [[False] * (len(prompt) + len(row[start : start + chunk])) for row in encoded.ids],
-        [[0] * (len(prompt) + len(row[start : start + chunk])) for row in encoded.ids],
-    )
-    fork = _copy(state)
-    fork = fork.replace(cache=fork.cache.with_slots(score=jnp.zeros_like(scores)))
-    fork = _prefill(model, fork, piece, jax.random.fold_in(state.key, start))
-    scores = jnp.maximum(scores, jnp.where(owned, fork.cache.slot("score"), 0.0))
-    del fork
-  cache = state.cache.with_slots(score=scores)
-  ranked = logical_view(cache, scores)
-  counts = global_budgets(ranked, protection_mask(cache), valid_mask(cache), plan.config.budget)
-  cache = evict(cache, ranked, budget=counts, threshold=counts, impl=plan.impl)
+    piece = [prompt + row[start : start + chunk] for row in encoded.ids]
+    piece = EncodedPrompts(piece, [[False] * len(r) for r in piece], [[0] * len(r) for r in piece])
+    state = _prefill(model, state, piece, jax.random.fold_in(state.key, start))
+    state = state.replace(cache=_truncate(state.cache, context_length), position=position)
+  state = state.replace(logits=logits)
+  cache = _evict_globally(state.cache, impl=plan.impl)
   check_status(cache)
   cache = _compact_pool(cache, reserve)
   # The context is compressed once: later tokens are kept (no observation, no eviction).
   compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
   peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
+
+
+_truncate = jax.jit(_truncate_cache)
+
+
+@partial(jax.jit, static_argnames="impl")
+def _evict_globally(cache: PagedKVCache, *, impl: str) -> PagedKVCache:
+  """Every sequence evicted to its share of its row's L x H x budget best scores."""
+  ranked = logical_view(cache, cache.slot("score"))
+  counts = global_budgets(ranked, protection_mask(cache), valid_mask(cache), cache.config.budget)
+  return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
 
 
 def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:

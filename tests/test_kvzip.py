@@ -120,3 +120,15 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
 def test_kvzip_refuses_options_the_global_ranking_replaces(changes, match):
   with pytest.raises(ValueError, match=match):
     kvjax.CompressionSpec(policy="kvzip", budget=64, **changes)
+
+
+def test_truncate_drops_the_tail_and_returns_its_pages():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32)
+  cache = kvjax.init_cache(cfg, 1, 2, 1, 4, chunk=16, slots=policies.KVzip.slots)
+  k = jnp.ones((1, 2, 14, 1, 4))
+  cache = kvjax.append(cache, k, k, jnp.broadcast_to(jnp.arange(14), (2, 14)), jnp.array([14, 9]))
+  cut = kvjax.eviction.truncate(cache, jnp.array([[[6], [9]]]))
+  np.testing.assert_array_equal(np.asarray(cut.length)[0, :, 0], [6, 9])
+  assert kvjax.read_sequence(cut, 0, 0, 0)[2].tolist() == list(range(6))
+  assert int(cut.pages_in_use().sum()) == 2 + 3
+  assert_cache_invariants(cut)
