@@ -202,6 +202,15 @@ class CompressionSpec:
     budget = self.budget_tokens(longest)
     group, recent = self.group, self.recent_tokens(budget)
     n, h = shape.n_layers, shape.n_kv_heads
+    common = dict(
+        page_size=ps,
+        budget=budget,
+        sink=self.sink,
+        recent=recent,
+        group_size=group,
+        group_reduce=self.group_reduce,
+        dtype=dtype,
+    )
     if self.policy.query_agnostic:
       # The whole context is prefilled before it is scored: the pool holds all of it, and
       # the session compacts it once the context is compressed.
@@ -209,15 +218,7 @@ class CompressionSpec:
       room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
       capacity = math.ceil(max(longest + room, budget + ps + 1) / ps) * ps
       cfg = CacheConfig(
-          page_size=ps,
-          max_tokens=capacity,
-          budget=budget,
-          sink=self.sink,
-          recent=recent,
-          group_size=1,
-          group_reduce=self.group_reduce,
-          num_pages=batch * n * h * (capacity // ps) + 1,
-          dtype=dtype,
+          max_tokens=capacity, num_pages=batch * n * h * (capacity // ps) + 1, **common
       )
       eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
       return CachePlan(cfg, eviction, chunk, self)
@@ -232,16 +233,10 @@ class CompressionSpec:
         h * math.ceil((int(b) + margin + chunk) / ps) + (h if self.per_head else 0) for b in budgets
     ]
     cfg = CacheConfig(
-        page_size=ps,
         max_tokens=capacity,
-        budget=budget,
-        sink=self.sink,
-        recent=recent,
         threshold=budget + margin,
-        group_size=group,
-        group_reduce=self.group_reduce,
         num_pages=batch * sum(pages_per_layer) + 1,
-        dtype=dtype,
+        **common,
     )
     eviction = EvictionPlan(
         self.policy,

@@ -20,11 +20,13 @@ def llama_cpp_permute(w, n_head, n_head_kv=None):
   )
 
 
+TINY = ModelConfig(
+    vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=HD, ffn_dim=F
+)
+
+
 def random_params(rng, tied=False, bias=False):
-  config = ModelConfig(
-      vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=HD, ffn_dim=F
-  )
-  config = dataclasses.replace(config, tie_embeddings=tied, qkv_bias=bias)
+  config = dataclasses.replace(TINY, tie_embeddings=tied, qkv_bias=bias)
   return {k: rng.standard_normal(s).astype(np.float32) for k, s in config.param_shapes().items()}
 
 
@@ -89,22 +91,8 @@ def write_gguf(path, params, arch="llama", qtype=None, extra_tensors=(), drop=()
 def test_tiny_f32_roundtrip_undoes_permutation(tmp_path):
   params = random_params(np.random.default_rng(0))
   config, loaded, md = load_gguf(write_gguf(tmp_path / "tiny.gguf", params))
-  assert config == ModelConfig(
-      vocab_size=V,
-      d_model=D,
-      n_layers=L,
-      n_heads=H,
-      n_kv_heads=K,
-      head_dim=HD,
-      ffn_dim=F,
-      rope_theta=10000.0,
-      rms_eps=1e-5,
-      max_context=256,
-      bos_id=1,
-      eos_ids=(2,),
-      name="tiny",
-      chat_template="{{ messages }}",
-  )
+  metadata = dict(max_context=256, bos_id=1, eos_ids=(2,), chat_template="{{ messages }}")
+  assert config == dataclasses.replace(TINY, rope_theta=10000.0, name="tiny", **metadata)
   assert config.chat_template == "{{ messages }}"
   assert md["general.architecture"] == "llama"
   assert loaded.keys() == params.keys()
