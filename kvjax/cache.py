@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import warnings
 
 import jax
@@ -193,24 +194,32 @@ def init_cache(
           f"{num_sequences} sequences (num_layers={num_layers} x batch_size={batch_size} x "
           f"num_kv_heads={num_kv_heads}) at page_size={config.page_size}: need >= {needed}"
       )
-  ps, m = config.page_size, config.max_pages
-  return PagedKVCache(
-      k_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
-      v_pages=jnp.zeros((num_pages, ps, head_dim), config.jnp_dtype),
-      slots={spec.name: spec.init(num_pages, ps) for spec in slot_specs},
-      pages=PageTable(
-          table=jnp.full((num_layers, batch_size, num_kv_heads, m), NULL_PAGE, jnp.int32),
-          length=jnp.zeros((num_layers, batch_size, num_kv_heads), jnp.int32),
-          # Pop order hands out low page ids first: stack top is at num_free - 1.
-          free_pages=jnp.concatenate(
-              [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
-          ),
-          num_free=jnp.array(num_pages - 1, jnp.int32),
-          status=jnp.array(Status.OK, jnp.int32),
-      ),
-      config=config,
-      slot_specs=slot_specs,
+  table_shape = (num_layers, batch_size, num_kv_heads, config.max_pages)
+  k, v, slots, pages = _empty_arrays(
+      num_pages, config.page_size, head_dim, config.dtype, slot_specs, table_shape
   )
+  return PagedKVCache(
+      k_pages=k, v_pages=v, slots=slots, pages=pages, config=config, slot_specs=slot_specs
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _empty_arrays(num_pages, page_size, head_dim, dtype, slot_specs, table_shape):
+  """Every array of an empty cache, made by one compiled program (a first call compiles
+  once, not once per array)."""
+  pool = (num_pages, page_size, head_dim)
+  pages = PageTable(
+      table=jnp.full(table_shape, NULL_PAGE, jnp.int32),
+      length=jnp.zeros(table_shape[:-1], jnp.int32),
+      # Pop order hands out low page ids first: stack top is at num_free - 1.
+      free_pages=jnp.concatenate(
+          [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
+      ),
+      num_free=jnp.array(num_pages - 1, jnp.int32),
+      status=jnp.array(Status.OK, jnp.int32),
+  )
+  slots = {spec.name: spec.init(num_pages, page_size) for spec in slot_specs}
+  return jnp.zeros(pool, dtype), jnp.zeros(pool, dtype), slots, pages
 
 
 def _merge_slots(*groups: tuple[Slot, ...]) -> tuple[Slot, ...]:

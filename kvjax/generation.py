@@ -85,9 +85,8 @@ def generate(
         f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
         f"context {shape.max_context}"
     )
-  run = _run(
-      model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, seed, key, stream
-  )
+  key = jax.random.key(seed) if key is None else key
+  run = _run(model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, key, stream)
   generation = Generation(run)
   if stream:
     return generation
@@ -107,12 +106,10 @@ class Generation:
     self.result = yield from self._run
 
 
-def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, seed, key, stream):
+def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream):
   compiled = compile_stats()
   start = time.perf_counter()
-  state = prefill(
-      model, prompts, spec, tokenizer=tokenizer, chat=chat, reserve=max_new, seed=seed, key=key
-  )
+  state = prefill(model, prompts, spec, tokenizer=tokenizer, chat=chat, reserve=max_new, key=key)
   lengths = np.asarray(state.position)
   prefill_seconds = time.perf_counter() - start
   prefill_seconds -= compile_stats()["compile_seconds"] - compiled["compile_seconds"]

@@ -319,16 +319,18 @@ def prefill(
       slots=slots,
   )
   key = jax.random.key(seed) if key is None else key
-  prefill_key, decode_key = jax.random.split(key)
+  # Host-made arrays: device transfers, no eager op to compile on a first call. The
+  # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
   state = State(
       cache=cache,
-      logits=jnp.zeros((batch, shape.vocab_size), jnp.float32),
-      position=jnp.zeros((batch,), jnp.int32),
-      done=jnp.zeros((batch,), bool),
-      key=decode_key,
-      peak_pages=jnp.int32(0),
+      logits=jnp.asarray(np.zeros((batch, shape.vocab_size), np.float32)),
+      position=jnp.asarray(np.zeros((batch,), np.int32)),
+      done=jnp.asarray(np.zeros((batch,), bool)),
+      key=key,
+      peak_pages=jnp.asarray(np.int32(0)),
       plan=plan,
   )
+  prefill_key = key
   if not plan.compresses_after_prefill:
     return _prefill(model, state, encoded, prefill_key)
   # Query-agnostic: prefill the whole context without observing, then score and compress.
@@ -509,9 +511,9 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key) -> State:
   return state.replace(
       cache=cache,
       logits=jax.block_until_ready(last_logits),
-      position=jnp.asarray(starts + lengths, jnp.int32),
-      done=state.done & ~jnp.asarray(added),
-      peak_pages=jnp.int32(peak),
+      position=jnp.asarray((starts + lengths).astype(np.int32)),
+      done=jnp.asarray(np.asarray(state.done) & ~added),
+      peak_pages=jnp.asarray(np.int32(peak)),
   )
 
 

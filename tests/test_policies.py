@@ -601,7 +601,9 @@ def test_pyramid_per_head_generate_stays_within_its_pool(tiny):
       model, tokenizer, policy="h2o", budget=BUDGET, budget_schedule="pyramid", per_head=True
   )
   stats = result.stats
-  assert stats["per_head"] and stats["layer_budgets"] == [24, 19, 13, 8]
+  budgets = stats["layer_budgets"]
+  assert stats["per_head"] and sum(budgets) == BUDGET * c.n_layers  # the mean is kept
+  assert budgets == sorted(budgets, reverse=True) and min(budgets) >= 8  # floor: sink + recent
   page_bytes = 2 * PAGE * c.head_dim * 4
   # Per layer: H x (budget + page + chunk) tokens, plus one partial page per head.
   bound_pages = sum(
