@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import scores as S
+from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, protection_mask
 from pallas_kernels import output_impact as output_impact_kernel
@@ -64,11 +65,12 @@ def write_layer(cache: PagedKVCache, name: str, layer, values: Float[Array, "B H
 
 
 def write_new_tokens(
-    cache: PagedKVCache, name: str, layer, values: Float[Array, "B T"], num_new, *, add=False
+    cache: PagedKVCache, name: str, layer, values: Float[Array, "B T *H"], num_new, *, add=False
 ):
   """The cache with per-token `values` set (or added) in slot `name` for the tokens just
-  appended to one layer: the last num_new[b] tokens of every kv head of row b."""
-  b, t = values.shape
+  appended to one layer: the last num_new[b] tokens of every kv head of row b (`values`
+  [B, T] for all kv heads alike, or [B, T, H] per kv head)."""
+  b, t = values.shape[:2]
   page, offset = token_coordinates(
       cache.page_table[layer],
       cache.length[layer] - num_new[:, None],
@@ -77,7 +79,7 @@ def write_new_tokens(
       cache.config.page_size,
       cache.num_pages,
   )
-  values = jnp.broadcast_to(values[..., None], page.shape)
+  values = jnp.broadcast_to(values if values.ndim == 3 else values[..., None], page.shape)
   at = cache.slot(name).at[page, offset]
   return cache.with_slots(
       **{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")}
@@ -112,9 +114,15 @@ class Policy:
   needs_head_probs: ClassVar[bool] = False
   needs_lse: ClassVar[bool] = False  # stats.lse: the attention's log-sum-exp
   needs_logits: ClassVar[bool] = False  # observe_logits needs logits of every token
-  # Scores the whole prefilled context at once (nothing evicted during prefill), then
-  # evicts every sequence to its share of one global ranking (see `KVzip`).
+  # Compresses the context once: nothing is evicted while it is read, then every sequence
+  # keeps its share of one ranking of the whole scored context (`spec.head_budget`).
   query_agnostic: ClassVar[bool] = False
+  # Scores come from the model repeating the context after it (KVzip), not from reading it.
+  reconstructs: ClassVar[bool] = False
+
+  def check_model(self, model) -> None:
+    """Raises ValueError when this policy cannot score `model` (e.g. a scorer trained for
+    another model). Called by `kvjax.prefill` before any work."""
 
   def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
     return cache
@@ -335,6 +343,7 @@ class KVzip(Policy):
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   needs_head_probs: ClassVar[bool] = True
   query_agnostic: ClassVar[bool] = True
+  reconstructs: ClassVar[bool] = True
   chunk: int = 512  # context tokens repeated per reconstruction pass
 
   def observe(self, cache, stats):
@@ -347,19 +356,30 @@ class KVzip(Policy):
     return write_layer(cache, "score", stats.layer, jnp.maximum(current, peak))
 
 
-def global_budgets(
-    scores: Float[Array, "L B H N"], protected, valid, budget: int
-) -> Int[Array, "L B H"]:
-  """Tokens each sequence keeps when every row keeps its L x H x `budget` highest-scoring
-  tokens across all its layers and kv heads (protected tokens always count in): one global
-  ranking, so sequences whose tokens matter more keep more."""
-  l, b, h, n = scores.shape
-  ranked = jnp.where(protected & valid, jnp.inf, jnp.where(valid, scores, -jnp.inf))
-  per_row = ranked.transpose(1, 0, 2, 3).reshape(b, l * h * n)  # [B, L*H*N]
-  k = min(budget * l * h, l * h * n)
-  cutoff = jax.lax.top_k(per_row, k)[0][:, -1]  # [B] the k-th largest score of each row
-  kept = (ranked >= cutoff[None, :, None, None]) & valid
-  return kept.sum(-1).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class Learned(Policy):
+  """KVzap-style (Jégou & Jeblick, 2026), query-agnostic: a linear model per layer maps each
+  token's hidden state (the layer's input, RMS-normalised) to the log of the score `kvzip`
+  would give it, one output per kv head. Scoring costs one [d, H] product per token and
+  layer while the context is read: no reconstruction pass. Train one for a model with
+  `kvjax train-scorer` (`kvjax.training`); the default model's ships with kvjax."""
+
+  name: ClassVar[str] = "learned"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
+  query_agnostic: ClassVar[bool] = True
+  scorer: Scorer | None = None  # None: the scorer shipped for the default model
+
+  def __post_init__(self):
+    if self.scorer is None:
+      object.__setattr__(self, "scorer", default_scorer())
+    elif not isinstance(self.scorer, Scorer):
+      raise TypeError(f"scorer must be a kvjax.scorer.Scorer, got {type(self.scorer).__name__}")
+
+  def check_model(self, model):
+    self.scorer.check_model(model)
+
+  def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new):
+    return write_new_tokens(cache, "score", layer, self.scorer.predict(hidden_in, layer), num_new)
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -383,15 +403,20 @@ for _cls in (
     OutputImpact,
     InfoAware,
     KVzip,
+    Learned,
 ):
   register(_cls)
 
 
-def get_policy(policy: str | Policy) -> Policy:
+def get_policy(policy: str | Policy, *, scorer: str | None = None) -> Policy:
+  """The policy of a name (or the policy itself); `scorer`: a trained scorer's directory
+  for 'learned'."""
   if isinstance(policy, Policy):
     return policy
   if policy not in POLICIES:
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+  if scorer is not None:
+    return POLICIES[policy](scorer=Scorer.load(scorer))
   return POLICIES[policy]()
 
 
@@ -428,18 +453,53 @@ def layer_budgets(
   return out.astype(np.int32)
 
 
-def per_head_budgets(
-    scores: Float[Array, "L B H N"], protected, valid, layer_budget: Int[Array, " L"]
+HEAD_BUDGETS = ("uniform", "layer", "global")
+ADAKV_FLOOR = 0.2  # with head_budget='layer', every head keeps this share of the budget
+
+
+def head_budgets(
+    scores: Float[Array, "L B H N"],
+    protected,
+    valid,
+    layer_budget: Int[Array, " L"],
+    sharing: str,
+    *,
+    threshold: float | None = None,
+    floor: float = ADAKV_FLOOR,
 ) -> Int[Array, "L B H"]:
-  """Splits each layer's H x budget tokens over its kv heads by a global top-k of the
-  scores across the heads (protected tokens are always counted in)."""
+  """Tokens each sequence keeps (protected ones always count in) when a budget is shared:
+
+  - 'uniform': every sequence keeps its layer's budget;
+  - 'layer' (AdaKV): each layer's H x budget best tokens of a row by one ranking across its
+    kv heads, after every head's own `floor` x budget best;
+  - 'global' (KVzip): a row's sum-over-layers H x budget best tokens by one ranking across
+    all its layers and kv heads;
+  - `threshold` (budget='auto'): every token scored above it, whatever the count.
+  """
   l, b, h, n = scores.shape
-  ranked = jnp.where(protected & valid, jnp.inf, jnp.where(valid, scores, -jnp.inf))
-  flat = jnp.sort(ranked.reshape(l, b, h * n), axis=-1)[..., ::-1]  # descending
-  k = jnp.clip(layer_budget * h, 1, h * n)[:, None, None]  # [L, 1, 1]
-  cutoff = jnp.take_along_axis(flat, k - 1, axis=-1)  # [L, B, 1]
-  kept = (ranked >= cutoff[..., None]) & valid
-  return kept.sum(-1).astype(jnp.int32)
+  keep = protected & valid
+  if threshold is not None:
+    return (keep | (valid & (scores > threshold))).sum(-1).astype(jnp.int32)
+  layer_budget = jnp.broadcast_to(jnp.asarray(layer_budget, jnp.int32), (l,))
+  if sharing == "uniform":
+    return jnp.broadcast_to(layer_budget[:, None, None], (l, b, h))
+  ranked = jnp.where(keep, jnp.inf, jnp.where(valid, scores, -jnp.inf))
+  if sharing == "layer":
+    if floor > 0:  # each head's own best `floor` share counts in first
+      per_head = jnp.sort(ranked, axis=-1)[..., ::-1]  # [L, B, H, N] descending
+      k = jnp.clip((floor * layer_budget).astype(jnp.int32), 1, n)[:, None, None, None]
+      head_cut = jnp.take_along_axis(per_head, jnp.broadcast_to(k - 1, (l, b, h, 1)), -1)
+      ranked = jnp.where(valid & (ranked >= head_cut), jnp.inf, ranked)
+    flat = jnp.sort(ranked.reshape(l, b, h * n), axis=-1)[..., ::-1]  # [L, B, H*N]
+    k = jnp.clip(layer_budget * h, 1, h * n)[:, None, None]  # [L, 1, 1]
+    cutoff = jnp.take_along_axis(flat, k - 1, axis=-1)[..., None]  # [L, B, 1, 1]
+  elif sharing == "global":
+    per_row = jnp.sort(ranked.transpose(1, 0, 2, 3).reshape(b, l * h * n), axis=-1)[:, ::-1]
+    k = jnp.clip(layer_budget.sum() * h, 1, l * h * n)
+    cutoff = per_row[:, k - 1][None, :, None, None]  # [1, B, 1, 1]
+  else:
+    raise ValueError(f"sharing must be one of {HEAD_BUDGETS}, got {sharing!r}")
+  return ((ranked >= cutoff) & valid).sum(-1).astype(jnp.int32)
 
 
 def fair_scores(scores: Float[Array, "L B H N"], segment, valid) -> Float[Array, "L B H N"]:
@@ -496,7 +556,7 @@ class EvictionPlan:
         scores = fair_scores(scores, logical_view(cache, cache.slot("segment")), valid)
       if not self.per_head:
         return evict(cache, scores=scores, budget=budget[:, None, None], impl=self.impl)
-      head_budget = per_head_budgets(scores, protection_mask(cache), valid, budget)
+      head_budget = head_budgets(scores, protection_mask(cache), valid, budget, "layer")
       # Evict every head of a triggered layer to its share; leave the others alone.
       limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
       return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)

@@ -37,7 +37,7 @@ from kvjax.cache import (
 )
 from kvjax.eviction import evict, protection_mask
 from kvjax.eviction import truncate as _truncate_cache
-from kvjax.policies import global_budgets
+from kvjax.policies import head_budgets
 from kvjax.prompts import EncodedPrompts, encode_prompts
 from kvjax.seam import ModelShape, forward
 from kvjax.spec import CachePlan, CompressionSpec
@@ -294,50 +294,27 @@ def prefill(
     seed, key: randomness for sampling and random eviction.
   """
   spec = CompressionSpec() if spec is None else spec
-  if not isinstance(spec, CompressionSpec):
-    raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
-  shape = ModelShape.of(model)
-  if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-    raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
-  encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
-  longest = int(encoded.lengths.max())
-  if longest > shape.max_context:
+  state, encoded, shape, reserve = _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key)
+  if not state.plan.compresses_after_prefill:
+    return _prefill(model, state, encoded, state.key)
+  state = _read_and_score(model, state, encoded, tokenizer, shape)
+  return _compress(state, reserve)
+
+
+def context_scores(
+    model, prompts, spec: CompressionSpec, *, tokenizer=None, chat: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+  """What a policy that compresses the context once (kvzip, learned) thinks of every token
+  of `prompts` before it evicts anything: scores [L, B, H, N] in logical order (token n of
+  row b at index n) and the mask of live tokens [L, B, H, N]."""
+  if not isinstance(spec, CompressionSpec) or not spec.policy.query_agnostic:
     raise ValueError(
-        f"prompt of {longest} tokens is longer than the model context {shape.max_context}"
+        "context_scores needs a CompressionSpec whose policy compresses the context once "
+        f"(e.g. kvzip, learned), got {spec!r}"
     )
-  reserve = min(reserve, shape.max_context - longest)
-  batch = len(encoded.ids)
-  plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve)
-  slots = () if plan.eviction is None else plan.eviction.policy.slots
-  cache = init_cache(
-      plan.config,
-      shape.n_layers,
-      batch,
-      shape.n_kv_heads,
-      shape.head_dim,
-      chunk=plan.chunk,
-      slots=slots,
-  )
-  key = jax.random.key(seed) if key is None else key
-  # Host-made arrays: device transfers, no eager op to compile on a first call. The
-  # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
-  state = State(
-      cache=cache,
-      logits=jnp.asarray(np.zeros((batch, shape.vocab_size), np.float32)),
-      position=jnp.asarray(np.zeros((batch,), np.int32)),
-      done=jnp.asarray(np.zeros((batch,), bool)),
-      key=key,
-      peak_pages=jnp.asarray(np.int32(0)),
-      plan=plan,
-  )
-  prefill_key = key
-  if not plan.compresses_after_prefill:
-    return _prefill(model, state, encoded, prefill_key)
-  # Query-agnostic: prefill the whole context without observing, then score and compress.
-  state = _prefill(
-      model, state.replace(plan=dataclasses.replace(plan, eviction=None)), encoded, prefill_key
-  )
-  return _compress(model, state.replace(plan=plan), encoded, tokenizer, reserve, shape)
+  state, encoded, shape, _ = _begin(model, prompts, spec, tokenizer, chat, 0, 0, None)
+  cache = _read_and_score(model, state, encoded, tokenizer, shape).cache
+  return np.asarray(logical_view(cache, cache.slot("score"))), np.asarray(valid_mask(cache))
 
 
 def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False) -> State:
@@ -458,6 +435,48 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
 
 
 # ---- internals -----------------------------------------------------------------------------
+
+
+def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
+  """A new state for `prompts` (nothing read yet) with the cache `spec` plans for them;
+  returns (state, encoded prompts, model shape, reserve clipped to the model context)."""
+  if not isinstance(spec, CompressionSpec):
+    raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
+  shape = ModelShape.of(model)
+  spec.policy.check_model(model)
+  if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+    raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
+  encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
+  longest = int(encoded.lengths.max())
+  if longest > shape.max_context:
+    raise ValueError(
+        f"prompt of {longest} tokens is longer than the model context {shape.max_context}"
+    )
+  reserve = min(reserve, shape.max_context - longest)
+  batch = len(encoded.ids)
+  plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve)
+  slots = () if plan.eviction is None else plan.eviction.policy.slots
+  cache = init_cache(
+      plan.config,
+      shape.n_layers,
+      batch,
+      shape.n_kv_heads,
+      shape.head_dim,
+      chunk=plan.chunk,
+      slots=slots,
+  )
+  # Host-made arrays: device transfers, no eager op to compile on a first call. The
+  # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
+  state = State(
+      cache=cache,
+      logits=jnp.asarray(np.zeros((batch, shape.vocab_size), np.float32)),
+      position=jnp.asarray(np.zeros((batch,), np.int32)),
+      done=jnp.asarray(np.zeros((batch,), bool)),
+      key=jax.random.key(seed) if key is None else key,
+      peak_pages=jnp.asarray(np.int32(0)),
+      plan=plan,
+  )
+  return state, encoded, shape, reserve
 
 
 def _copy(tree):
@@ -583,13 +602,40 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
 
-def _compress(
-    model, state: State, encoded: EncodedPrompts, tokenizer, reserve: int, shape: ModelShape
-) -> State:
-  """Scores the prefilled context by having the model repeat it, evicts every sequence to
-  its share of one global ranking, and re-lays the pool out to what is kept (+ `reserve`)."""
+def _read_and_score(model, state: State, encoded: EncodedPrompts, tokenizer, shape) -> State:
+  """The context read into the cache with nothing evicted, and scored: observed while it is
+  read, or (kvzip) by having the model repeat it afterwards."""
   plan = state.plan
-  policy = plan.eviction.policy
+  reconstructs = plan.eviction.policy.reconstructs
+  reading = dataclasses.replace(plan, eviction=None) if reconstructs else plan
+  state = _prefill(model, state.replace(plan=reading), encoded, state.key).replace(plan=plan)
+  if reconstructs:
+    state = _reconstruct(model, state, encoded, tokenizer, shape)
+  return state
+
+
+def _compress(state: State, reserve: int) -> State:
+  """Evicts every sequence of a scored context to its share of the budget
+  (`spec.head_budget`, or the tokens above `spec.threshold`), and re-lays the pool out to
+  what is kept (+ `reserve`)."""
+  plan = state.plan
+  spec = plan.spec
+  threshold = jnp.float32(spec.threshold if spec.auto else 0.0)  # traced: no recompile
+  cache = _evict_once(state.cache, threshold, sharing=spec.sharing, auto=spec.auto, impl=plan.impl)
+  check_status(cache)
+  cache = _compact_pool(cache, reserve)
+  # The context is compressed once: later tokens are kept (no observation, no eviction).
+  compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
+  peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
+  return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
+
+
+def _reconstruct(
+    model, state: State, encoded: EncodedPrompts, tokenizer, shape: ModelShape
+) -> State:
+  """KVzip's scores: the model repeats the context after it, one chunk per pass; a key's
+  score is the most attention any repeating query pays it."""
+  policy = state.plan.eviction.policy
   prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
   longest = int(encoded.lengths.max())
   chunk = min(policy.chunk, shape.max_context - longest - len(prompt))
@@ -609,24 +655,24 @@ def _compress(
     piece = EncodedPrompts(piece, [[False] * len(r) for r in piece], [[0] * len(r) for r in piece])
     state = _prefill(model, state, piece, jax.random.fold_in(state.key, start))
     state = state.replace(cache=_truncate(state.cache, context_length), position=position)
-  state = state.replace(logits=logits)
-  cache = _evict_globally(state.cache, impl=plan.impl)
-  check_status(cache)
-  cache = _compact_pool(cache, reserve)
-  # The context is compressed once: later tokens are kept (no observation, no eviction).
-  compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
-  peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
-  return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
+  return state.replace(logits=logits)
 
 
 _truncate = jax.jit(_truncate_cache)
 
 
-@partial(jax.jit, static_argnames="impl")
-def _evict_globally(cache: PagedKVCache, *, impl: str) -> PagedKVCache:
-  """Every sequence evicted to its share of its row's L x H x budget best scores."""
+@partial(jax.jit, static_argnames=("sharing", "auto", "impl"))
+def _evict_once(cache: PagedKVCache, threshold, *, sharing: str, auto: bool, impl: str):
+  """Every sequence evicted to its share of the scored context (`policies.head_budgets`)."""
   ranked = logical_view(cache, cache.slot("score"))
-  counts = global_budgets(ranked, protection_mask(cache), valid_mask(cache), cache.config.budget)
+  counts = head_budgets(
+      ranked,
+      protection_mask(cache),
+      valid_mask(cache),
+      jnp.full((cache.num_layers,), cache.config.budget, jnp.int32),
+      sharing,
+      threshold=threshold if auto else None,
+  )
   return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
 
 

@@ -13,9 +13,19 @@ import dataclasses
 import math
 
 from kvjax.config import GROUP_REDUCTIONS, CacheConfig, min_budget
-from kvjax.policies import BUDGET_SCHEDULES, EvictionPlan, Full, Policy, get_policy, layer_budgets
+from kvjax.policies import (
+    BUDGET_SCHEDULES,
+    HEAD_BUDGETS,
+    EvictionPlan,
+    Full,
+    Policy,
+    get_policy,
+    layer_budgets,
+)
 
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
+AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
+AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given
 KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -32,15 +42,31 @@ class CompressionSpec:
   policy: str | Policy = _field(
       "full", "eviction policy (a name, or a kvjax.policies.Policy); 'full' keeps every token"
   )
-  budget: int | float | None = _field(
+  budget: int | float | str | None = _field(
       None,
-      "KV tokens kept per sequence (layer x row x kv head), or a fraction in (0, 1) of the "
-      "longest prompt; required by every policy but 'full'",
+      "KV tokens kept per sequence (layer x row x kv head), a fraction in (0, 1) of the "
+      "longest prompt, or 'auto' (keep what scores above --threshold); required by every "
+      "policy but 'full'",
+  )
+  threshold: float | None = _field(
+      None,
+      "with budget='auto': keep every token whose score is above this (the kept fraction "
+      "then differs per input and per head)",
   )
   budget_schedule: str = _field(
       "uniform", "per-layer budgets with the same mean", choices=BUDGET_SCHEDULES
   )
-  per_head: bool = _field(False, "split each layer's budget across its kv heads by global top-k")
+  head_budget: str | None = _field(
+      None,
+      "how the budget is shared: 'uniform' (every sequence keeps the budget), 'layer' (each "
+      "layer's heads share it by one ranking, with a floor per head: AdaKV), 'global' (one "
+      "ranking across all layers and heads: KVzip); default 'global' for policies that "
+      "compress the context once, else 'uniform'",
+      choices=HEAD_BUDGETS,
+  )
+  scorer: str | None = _field(
+      None, "trained scorer directory for policy 'learned' (default: the shipped one)"
+  )
   sink: int = _field(4, "first tokens of every sequence, never evicted")
   recent: int | None = _field(
       None, "last tokens of every sequence, never evicted (default budget // 4)"
@@ -69,14 +95,19 @@ class CompressionSpec:
 
     if not isinstance(self.policy, (str, Policy)):
       raise TypeError(f"CompressionSpec: policy must be a name or a Policy, got {self.policy!r}")
-    object.__setattr__(self, "policy", get_policy(self.policy))
+    if self.scorer is not None:
+      if self.policy != "learned" and getattr(self.policy, "name", None) != "learned":
+        fail(f"scorer={self.scorer!r} is for policy 'learned', not {self.policy!r}")
+      if not isinstance(self.scorer, str):
+        fail(f"scorer must be a path (str), got {self.scorer!r}")
+    object.__setattr__(self, "policy", get_policy(self.policy, scorer=self.scorer))
     for name in ("sink", "page_size", "prefill_chunk"):
       value, low = getattr(self, name), 0 if name == "sink" else 1
       if not _is_int(value) or value < low:
         fail(f"{name} must be an int >= {low}, got {value!r}")
     if self.recent is not None and (not _is_int(self.recent) or self.recent < 0):
       fail(f"recent must be an int >= 0 or None, got {self.recent!r}")
-    for name in ("per_head", "fair"):
+    for name in ("fair",):
       if not isinstance(getattr(self, name), bool):
         fail(f"{name} must be True or False, got {getattr(self, name)!r}")
     for name, choices in (
@@ -86,6 +117,8 @@ class CompressionSpec:
     ):
       if getattr(self, name) not in choices:
         fail(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if self.head_budget is not None and self.head_budget not in HEAD_BUDGETS:
+      fail(f"head_budget must be one of {HEAD_BUDGETS} or None, got {self.head_budget!r}")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       fail(f"kv_dtype must be one of {KV_DTYPES} or None, got {self.kv_dtype!r}")
     if self.group_size is not None and self.group_size not in (1, self.page_size):
@@ -100,31 +133,64 @@ class CompressionSpec:
       return
     if budget is None:
       fail(f"policy {self.policy.name!r} evicts to a budget: give budget= (tokens or a fraction)")
-    if isinstance(budget, float):
+    if budget == AUTO:
+      if not self.policy.query_agnostic:
+        fail(
+            f"budget='auto' keeps what scores above a threshold once the context is scored: "
+            f"policy {self.policy.name!r} evicts while it reads; use kvzip, learned or "
+            "expected_attention"
+        )
+      if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+        fail(f"budget='auto' needs threshold= (a number), got {self.threshold!r}")
+      if not math.isfinite(self.threshold):
+        fail(f"threshold must be finite, got {self.threshold!r}")
+    elif self.threshold is not None:
+      fail(f"threshold={self.threshold!r} applies only with budget='auto', not budget={budget!r}")
+    elif isinstance(budget, str):
+      fail(f"budget must be tokens, a fraction in (0, 1) or 'auto', got {budget!r}")
+    elif isinstance(budget, float):
       if not 0.0 < budget < 1.0:
         fail(f"a fractional budget must be in (0, 1), got {budget}")
     elif not _is_int(budget) or budget < 1:
       fail(f"budget must be a positive int (tokens) or a fraction in (0, 1), got {budget!r}")
-    if self.per_head and self.group != 1:
+    if self.head_budget not in (None, "uniform") and self.group != 1:
       fail(
-          "per_head budgets need token eviction (group_size=1): block eviction cannot split "
-          "a layer's budget across heads at page granularity"
+          f"head_budget={self.head_budget!r} needs token eviction (group_size=1): block "
+          "eviction cannot share a budget across heads at page granularity"
       )
     if self.policy.query_agnostic:
-      for name, plain in (("budget_schedule", "uniform"), ("per_head", False), ("fair", False)):
+      for name, plain in (("budget_schedule", "uniform"), ("fair", False)):
         if getattr(self, name) != plain:
           fail(
               f"{name}={getattr(self, name)!r} does not apply to policy {self.policy.name!r}: "
-              "one global ranking across layers and heads sets every sequence's budget"
+              "the context is scored once and head_budget shares the budget"
           )
       if self.group != 1:
         fail(f"policy {self.policy.name!r} evicts single tokens: group_size must be 1")
+    elif self.head_budget == "global":
+      fail(
+          f"head_budget='global' ranks a whole scored context at once: policy "
+          f"{self.policy.name!r} evicts while it reads; use 'layer', or a policy that "
+          "compresses the context once (kvzip, learned, expected_attention)"
+      )
     if _is_int(budget):
       self._check_budget(int(budget), f"budget={budget}")
 
   @property
   def evicts(self) -> bool:
     return not isinstance(self.policy, Full)
+
+  @property
+  def auto(self) -> bool:
+    """budget='auto': keep the tokens scored above `threshold`."""
+    return self.budget == AUTO
+
+  @property
+  def sharing(self) -> str:
+    """How the budget is shared across layers and heads (`head_budget` or its default)."""
+    if self.head_budget is not None:
+      return self.head_budget
+    return "global" if self.policy.query_agnostic else "uniform"
 
   @property
   def group(self) -> int:
@@ -147,8 +213,8 @@ class CompressionSpec:
   def budget_tokens(self, length: int) -> int | None:
     """Tokens kept per sequence for a prompt of `length` tokens (None: the full cache): an
     int budget as given, a fraction of `length` rounded down to whole groups (>= 1 group)."""
-    if not self.evicts:
-      return None
+    if not self.evicts or self.auto:
+      return None  # 'auto': as many as score above the threshold
     if isinstance(self.budget, float):
       group = self.group
       tokens = max(group, int(self.budget * length) // group * group)
@@ -163,6 +229,8 @@ class CompressionSpec:
     block eviction)."""
     if self.recent is not None:
       return self.recent
+    if self.auto:
+      return AUTO_RECENT
     if self.group == 1:
       return budget // 4
     return max(self.page_size, budget // 4 // self.page_size * self.page_size)
@@ -199,7 +267,10 @@ class CompressionSpec:
           page_size=ps, max_tokens=capacity, group_reduce=self.group_reduce, dtype=dtype
       )
       return CachePlan(cfg, None, min(chunk, capacity), self)
-    budget = self.budget_tokens(longest)
+    if self.auto:  # nominal: nothing is evicted before the whole context is scored
+      budget = max(longest, min_budget(ps, self.sink, self.recent_tokens(0), 1))
+    else:
+      budget = self.budget_tokens(longest)
     group, recent = self.group, self.recent_tokens(budget)
     n, h = shape.n_layers, shape.n_kv_heads
     common = dict(
@@ -220,17 +291,19 @@ class CompressionSpec:
       cfg = CacheConfig(
           max_tokens=capacity, num_pages=batch * n * h * (capacity // ps) + 1, **common
       )
+      # Observes (its scores fill) but never evicts while the context is read.
       eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
       return CachePlan(cfg, eviction, chunk, self)
     budgets = layer_budgets(
         budget, n, self.budget_schedule, group, min_budget(ps, self.sink, recent, group)
     )
-    heads = h if self.per_head else 1
+    per_head = self.sharing == "layer"
+    heads = h if per_head else 1
     margin = ps
     # Per head, one sequence may take its layer's whole share: H x budget.
     capacity = math.ceil((int(budgets.max()) * heads + margin + chunk) / ps) * ps
     pages_per_layer = [
-        h * math.ceil((int(b) + margin + chunk) / ps) + (h if self.per_head else 0) for b in budgets
+        h * math.ceil((int(b) + margin + chunk) / ps) + (h if per_head else 0) for b in budgets
     ]
     cfg = CacheConfig(
         max_tokens=capacity,
@@ -241,7 +314,7 @@ class CompressionSpec:
     eviction = EvictionPlan(
         self.policy,
         tuple(int(b) for b in budgets),
-        per_head=self.per_head,
+        per_head=per_head,
         fair=self.fair,
         impl=self.attention_impl,
     )

@@ -43,16 +43,32 @@ def test_score_is_the_largest_attention_from_any_query_head_of_the_kv_head():
   np.testing.assert_allclose(score, expected)
 
 
-def test_global_budgets_rank_across_layers_and_heads():
-  # One row, 2 layers x 2 heads x 4 slots; budget 2 per sequence = 8 tokens for the row.
-  scores = jnp.asarray(
-      [[[[9, 8, 7, 6], [0, 0, 0, 1]]], [[[5, 4, 0, 0], [0, 0, 3, 0]]]], jnp.float32
-  )  # [L=2, B=1, H=2, N=4]
-  valid = jnp.ones(scores.shape, bool)
-  protected = jnp.zeros(scores.shape, bool).at[1, 0, 1, 0].set(True)
-  counts = policies.global_budgets(scores, protected, valid, 2)
-  # The 8 largest, the protected one counted in: 9 8 7 6 | - | 5 4 | protected 3 (the 1 is 9th).
-  np.testing.assert_array_equal(np.asarray(counts)[:, 0], [[4, 0], [2, 2]])
+# One row, 2 layers x 2 heads x 4 slots; budget 2 per sequence. [L=2, B=1, H=2, N=4]
+SCORES = jnp.asarray([[[[9, 8, 7, 6], [0, 0, 0, 1]]], [[[5, 4, 0, 0], [0, 0, 3, 0]]]], jnp.float32)
+PROTECTED = jnp.zeros(SCORES.shape, bool).at[1, 0, 1, 0].set(True)
+VALID = jnp.ones(SCORES.shape, bool)
+
+
+@pytest.mark.parametrize(
+    "sharing, expected",
+    [
+        # 8 best of the row, the protected one counted in: 9 8 7 6 | - | 5 4 | protected 3.
+        ("global", [[4, 0], [2, 2]]),
+        # Per layer 4 best across its 2 heads, after each head's own best floor(0.5 x 2) = 1:
+        # layer 0: head 1's 1 first, then 9 8 7; layer 1: 5, protected + 3, then 4.
+        ("layer", [[3, 1], [2, 2]]),
+        ("uniform", [[2, 2], [2, 2]]),
+    ],
+)
+def test_head_budgets_share_the_budget_as_asked(sharing, expected):
+  counts = policies.head_budgets(SCORES, PROTECTED, VALID, jnp.array([2, 2]), sharing, floor=0.5)
+  np.testing.assert_array_equal(np.asarray(counts)[:, 0], expected)
+
+
+def test_threshold_counts_exactly_the_tokens_above_it_and_the_protected():
+  counts = policies.head_budgets(SCORES, PROTECTED, VALID, 2, "global", threshold=4.0)
+  # Above 4: 9 8 7 6 | - | 5 | -; protected slot (score 0) of layer 1, head 1 counts in.
+  np.testing.assert_array_equal(np.asarray(counts)[:, 0], [[4, 0], [1, 1]])
 
 
 def test_kvzip_prefill_compresses_unevenly_and_returns_the_memory(tiny):
@@ -113,7 +129,7 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
     "changes, match",
     [
         ({"budget_schedule": "pyramid"}, "budget_schedule='pyramid' does not apply"),
-        ({"per_head": True}, "per_head=True does not apply"),
+        ({"fair": True}, "fair=True does not apply"),
         ({"group_size": 16}, "evicts single tokens"),
     ],
 )

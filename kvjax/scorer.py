@@ -1,0 +1,198 @@
+"""The learned scorer of policy `learned` (KVzap-style): weights, prediction, and the
+orbax-checkpoint files it is kept in, tied to the model it was trained for.
+
+  score[l, t, h] = rms_normalise(h_in[l, t]) @ weight[l, :, h] + bias[l, h]
+
+predicts, for the token at t, the log of the score `kvzip` would give its key in layer l and
+kv head h. `kvjax.training` trains it; a trained scorer is a directory:
+
+  <dir>/params   orbax StandardSave of {"weight": [L, d, H], "bias": [L, H]} (float32)
+  <dir>/meta     orbax JsonSave: format, model name, model fingerprint, shapes, metrics
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+FORMAT = "kvjax-learned-scorer/1"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def model_fingerprint(model) -> str:
+  """A digest of a model's architecture and weights: the parameter paths, shapes and dtypes
+  and the first values of every parameter. Same checkpoint, same fingerprint, in any
+  process; another model (or other weights) gives another one."""
+  from flax import nnx
+
+  digest = hashlib.sha256()
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+  for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
+    digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
+    head = np.asarray(jnp.ravel(leaf)[:1024], np.float32)
+    digest.update(np.round(head, 5).tobytes())  # rounded: identical across backends
+  return digest.hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scorer:
+  """A trained per-layer linear scorer (see the module docstring). Hashable by its weights,
+  so a jitted step specialises once per scorer."""
+
+  weight: np.ndarray  # [L, d, H] float32
+  bias: np.ndarray  # [L, H] float32
+  model: str  # the name of the model it was trained for
+  fingerprint: str  # `model_fingerprint` of that model
+  metrics: dict = dataclasses.field(default_factory=dict)  # held-out quality, training setup
+
+  def __post_init__(self):
+    weight, bias = np.asarray(self.weight, np.float32), np.asarray(self.bias, np.float32)
+    if weight.ndim != 3 or bias.shape != (weight.shape[0], weight.shape[2]):
+      raise ValueError(
+          f"scorer weight must be [L, d, H] and bias [L, H], got {weight.shape} and {bias.shape}"
+      )
+    object.__setattr__(self, "weight", weight)
+    object.__setattr__(self, "bias", bias)
+    digest = hashlib.sha256(weight.tobytes() + bias.tobytes() + self.fingerprint.encode())
+    object.__setattr__(self, "_digest", digest.hexdigest())
+
+  def __hash__(self):
+    return hash(self._digest)
+
+  def __eq__(self, other):
+    return isinstance(other, Scorer) and self._digest == other._digest
+
+  @property
+  def num_layers(self) -> int:
+    return self.weight.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.weight.shape[2]
+
+  @property
+  def hidden_size(self) -> int:
+    return self.weight.shape[1]
+
+  def predict(self, hidden: Float[Array, "B T d"], layer) -> Float[Array, "B T H"]:
+    """Predicted log-scores of one layer's tokens from the layer's input hidden states
+    (`layer` may be traced: the weights are indexed inside jit)."""
+    if hidden.shape[-1] != self.hidden_size:
+      raise ValueError(
+          f"the scorer reads hidden states of size {self.hidden_size}, got {hidden.shape}"
+      )
+    x = normalise(hidden)
+    return x @ jnp.asarray(self.weight)[layer] + jnp.asarray(self.bias)[layer]
+
+  def check_model(self, model) -> None:
+    """ValueError unless `model` is the model this scorer was trained for."""
+    shape = (model.config.n_layers, model.config.n_kv_heads)
+    if shape != (self.num_layers, self.num_kv_heads) or model_fingerprint(model) != self.fingerprint:
+      name = getattr(model.config, "name", type(model).__name__)
+      raise ValueError(
+          f"the learned scorer was trained for {self.model!r} (fingerprint "
+          f"{self.fingerprint[:12]}), not for this model ({name}, {model.config.n_layers} "
+          f"layers x {model.config.n_kv_heads} kv heads): train one with `kvjax train-scorer "
+          "--model ...` and pass it with --scorer DIR"
+      )
+
+  # ---- files ---------------------------------------------------------------------------
+
+  def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> pathlib.Path:
+    """Writes the scorer to directory `path` atomically (a complete directory or none)."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).absolute()
+    if path.exists() and not overwrite:
+      raise FileExistsError(f"{path} exists; choose another directory or overwrite=True")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    shutil.rmtree(staging)  # orbax creates the directory itself
+    meta = {
+        "format": FORMAT,
+        "model": self.model,
+        "fingerprint": self.fingerprint,
+        "num_layers": self.num_layers,
+        "hidden_size": self.hidden_size,
+        "num_kv_heads": self.num_kv_heads,
+        "metrics": self.metrics,
+    }
+    try:
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(
+            staging,
+            ocp.args.Composite(
+                params=ocp.args.StandardSave({"weight": self.weight, "bias": self.bias}),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+      if path.exists():
+        shutil.rmtree(path)
+      staging.rename(path)
+    finally:
+      shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Scorer":
+    """A scorer saved by `save`; ValueError naming the path when it is not one."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).absolute()
+    if not (path / "meta").is_dir() or not (path / "params").is_dir():
+      raise ValueError(f"{path} is not a trained kvjax scorer (no params/ and meta/ inside)")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      restored = checkpointer.restore(
+          path,
+          ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+      )
+    meta, params = restored["meta"], restored["params"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+      raise ValueError(f"{path}: unknown scorer format {meta.get('format')!r}, need {FORMAT!r}")
+    return cls(
+        weight=np.asarray(params["weight"]),
+        bias=np.asarray(params["bias"]),
+        model=meta["model"],
+        fingerprint=meta["fingerprint"],
+        metrics=meta.get("metrics", {}),
+    )
+
+
+def normalise(hidden: Float[Array, "... d"]) -> Float[Array, "... d"]:
+  """RMS-normalised hidden states (no learned scale): the scorer's input features."""
+  x = hidden.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def shipped_path(model: str = DEFAULT_MODEL) -> pathlib.Path:
+  """Where the scorer shipped for `model` lives inside the package."""
+  return pathlib.Path(str(importlib.resources.files("kvjax") / "data" / "scorers" / model))
+
+
+@functools.lru_cache(maxsize=None)
+def default_scorer() -> Scorer:
+  """The scorer shipped for the default model (loaded once per process)."""
+  path = shipped_path()
+  if not path.is_dir():
+    raise ValueError(
+        f"no learned scorer is shipped at {path}: train one with `kvjax train-scorer` and "
+        "pass it with --scorer DIR"
+    )
+  return Scorer.load(path)
+
+
+def describe(scorer: Scorer) -> str:
+  """One line: what the scorer is for and how well it did on held-out text."""
+  return f"learned scorer for {scorer.model}: {json.dumps(scorer.metrics, sort_keys=True)}"
