@@ -10,18 +10,26 @@ import time
 # ---- the CompressionSpec and Sampling flags: one table, generated from the dataclasses ----
 
 
-def _budget(text: str) -> int | float:
-  """'512' -> 512 tokens; '0.25' -> a quarter of the prompt."""
+def _budget(text: str) -> int | float | str:
+  """'512' -> 512 tokens; '0.25' -> a quarter of the prompt; 'auto' -> what scores above
+  --threshold."""
+  if text == "auto":
+    return text
   try:
     return int(text)
   except ValueError:
     try:
       return float(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(f"budget must be tokens or a fraction, got {text!r}")
+      raise argparse.ArgumentTypeError(
+          f"budget must be tokens, a fraction or 'auto', got {text!r}"
+      ) from None
 
 
 _SWEPT = ("policy", "budget")  # eval/bench take several of these and run each
+# eval/bench set these per configuration: the threshold where the budget is 'auto', the
+# scorer where the policy is 'learned'.
+_PER_CONFIG = (*_SWEPT, "threshold", "scorer")
 
 
 def _flag(name: str) -> str:
@@ -49,7 +57,7 @@ def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
       kwargs["choices"] = meta["choices"]
     elif field.type in ("int", "int | None"):
       kwargs["type"] = int
-    elif field.type == "float":
+    elif field.type in ("float", "float | None"):
       kwargs["type"] = float
     if sweep and field.name in _SWEPT:
       kwargs["nargs"] = "+"
@@ -67,11 +75,11 @@ def _from_args(cls, args, skip=()):
 
 
 def spec_from_args(args, sweep: bool = False):
-  """The `CompressionSpec` of a parsed command line (for eval/bench: without the swept
-  policy and budget, which each configuration sets)."""
+  """The `CompressionSpec` of a parsed command line (for eval/bench: without the fields
+  each configuration sets, `_PER_CONFIG`)."""
   from kvjax.spec import CompressionSpec
 
-  return _from_args(CompressionSpec, args, skip=_SWEPT if sweep else ())
+  return _from_args(CompressionSpec, args, skip=_PER_CONFIG if sweep else ())
 
 
 def _load(name: str):
@@ -138,6 +146,7 @@ _DEFAULT_LENGTHS = {
     "fidelity": ([1024, 2048], [256]),
     "perplexity": ([2048], [256]),
     "passkey": ([1024, 2048], [512]),
+    "multi_question": ([2048], [512]),
     "retention": ([1024, 2048], [256]),
     "bench": ([512, 1024, 2048, 4096, 8192], [256]),
 }
@@ -168,21 +177,30 @@ def _evaluate(args) -> int:
     options["depths"] = args.depths or ([0.5] if quick else [0.1, 0.5, 0.9])
   if task == "passkey":
     options["trials"] = args.trials or 1
+    if args.jsonl and args.fillers:
+      raise ValueError("--fillers does not apply to --jsonl cases (their own contexts)")
+    if not args.jsonl:
+      options["fillers"] = args.fillers or ["repeat"]
+    if args.text and "text" not in options["fillers"]:
+      raise ValueError("passkey takes --text only as the haystack of --fillers text")
+  if task == "multi_question":
+    options["facts"] = 4 if args.facts is None else args.facts
+    options["trials"] = (1 if quick else 6) if args.trials is None else args.trials
   if task == "bench":
     options["decode_steps"] = args.decode_steps or (8 if quick else 32)
     options["repeats"] = args.repeats or (1 if quick else 3)
+  _sweep.check_options(task, options)
 
   model, tokenizer = _load(args.model)
   ids, cases = None, None
-  if task == "passkey":
-    if args.text:
-      raise ValueError("passkey uses a synthetic filler or --jsonl question records, not --text")
-    if args.jsonl:
-      cases = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
-      if args.context_tokens:
-        raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
-      lengths = [max(len(tokenizer.encode(c["context"])) for c in cases)]
-    data = {"kind": "jsonl", "source": args.jsonl} if cases else {"kind": "synthetic passkey"}
+  if task == "passkey" and args.jsonl:
+    cases = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
+    if args.context_tokens:
+      raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
+    lengths = [max(len(tokenizer.encode(c["context"])) for c in cases)]
+    data = {"kind": "jsonl", "source": args.jsonl}
+  elif task == "passkey" and "text" not in options["fillers"]:
+    data = {"kind": "synthetic passkey"}
   else:
     if args.jsonl:
       records = _data.read_jsonl(args.jsonl, ("text",))
@@ -204,6 +222,8 @@ def _evaluate(args) -> int:
       cases=cases,
       options=options,
       spec=spec,
+      threshold=args.threshold,
+      scorer=args.scorer,
       config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
       progress=not args.quiet,
   )
@@ -254,10 +274,63 @@ def _add_eval_options(parser, task: str):
   if task in ("passkey", "retention"):
     parser.add_argument("--depths", nargs="+", type=float, default=None)
   if task == "passkey":
-    parser.add_argument("--trials", type=int, default=None, help="keys per depth")
+    parser.add_argument("--trials", type=int, default=None, help="keys per filler and depth")
+    parser.add_argument(
+        "--fillers",
+        nargs="+",
+        default=None,
+        help="haystacks: 'repeat' (a synthetic sentence group, repeated) and/or 'text' (a "
+        "window of --text or the shipped text per case) (default: repeat)",
+    )
+  if task == "multi_question":
+    parser.add_argument("--facts", type=int, default=None, help="questions per context (4)")
+    parser.add_argument(
+        "--trials", type=int, default=None, help="contexts per length (6; --quick: 1)"
+    )
   if task == "bench":
     parser.add_argument("--decode-steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+
+
+def _train_scorer(args) -> int:
+  """Trains the `learned` policy's scorer for a model on text and saves it (orbax)."""
+  import pathlib
+
+  from kvjax.eval import _data
+
+  out = pathlib.Path(args.out or f"kvjax-scorers/{pathlib.Path(args.model).stem}")
+  if out.exists() and not args.overwrite:
+    raise ValueError(f"{out} exists; choose another --out or pass --overwrite")
+  from kvjax import training
+
+  training.check_options(
+      context_tokens=args.context_tokens, windows=args.windows, held_out=args.held_out
+  )
+  if args.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {args.steps}")
+  text = _data.read_text(args.text) if args.text else _data.default_text()
+  model, tokenizer = _load(args.model)
+
+  scorer = training.train_scorer(
+      model,
+      tokenizer,
+      tokenizer.encode(text),
+      model_name=model.config.name,
+      context_tokens=args.context_tokens,
+      windows=args.windows,
+      held_out=args.held_out,
+      steps=args.steps,
+      seed=args.seed,
+      progress=not args.quiet,
+  )
+  path = scorer.save(out, overwrite=args.overwrite)
+  m = scorer.metrics
+  print(
+      f"held-out ({m['held_out_windows']} windows): log-score R^2 {m['r2']:.3f}, "
+      f"{m['top25_overlap']:.1%} of kvzip's best 25% tokens found; {m['total_seconds']:.0f} s"
+  )
+  print(f"saved {path}; use it with --policy learned --scorer {path}", file=sys.stderr)
+  return 0
 
 
 def _policy_names():
@@ -297,14 +370,33 @@ def build_parser() -> argparse.ArgumentParser:
   for task, text in (
       ("fidelity", "KL and top-1 agreement with the full cache over real text"),
       ("passkey", "pass-key retrieval accuracy (or your --jsonl questions)"),
+      ("multi_question", "several questions answered from one context compressed once"),
       ("perplexity", "perplexity of real text after a compressed context"),
       ("retention", "fraction of an unprotected instruction's tokens kept"),
   ):
-    _add_eval_options(tasks.add_parser(task, help=text), task)
+    _add_eval_options(tasks.add_parser(task.replace("_", "-"), help=text), task)
   _add_eval_options(
       sub.add_parser("bench", help="KV bytes, prefill and decode latency by request length"),
       "bench",
   )
+  train = sub.add_parser(
+      "train-scorer", help="train the 'learned' policy's scorer for a model (optax, orbax)"
+  )
+  train.add_argument(
+      "--model", default="smollm2-135m-instruct", help="registry name, .gguf or HF dir"
+  )
+  train.add_argument(
+      "--text", default=None, help="UTF-8 text to train on (default: the shipped text)"
+  )
+  train.add_argument("--context-tokens", type=int, default=2048, help="tokens per window")
+  train.add_argument("--windows", type=int, default=12, help="text windows scored by kvzip")
+  train.add_argument("--held-out", type=float, default=0.25, help="share of windows held out")
+  train.add_argument("--steps", type=int, default=1500, help="Adam steps")
+  train.add_argument("--seed", type=int, default=0)
+  train.add_argument("--out", default=None, help="scorer directory (default: kvjax-scorers/MODEL)")
+  train.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+  train.add_argument("--quiet", action="store_true", help="no progress bars")
+  train.set_defaults(func=_train_scorer)
   return parser
 
 
@@ -312,7 +404,11 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+  except (
+      ValueError,
+      FileNotFoundError,
+      FileExistsError,
+  ) as err:  # bad input: one clear line, no traceback
     print(f"kvjax {args.command}: error: {err}", file=sys.stderr)
     return 2
 

@@ -157,7 +157,7 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
           "decode_tokens_per_s": float(sum(generated)) / max(decode_seconds, 1e-9),
           "policy": spec.policy.name,
           "layer_budgets": None if eviction is None else list(eviction.layer_budget),
-          "per_head": spec.per_head,
+          "head_budget": spec.sharing if spec.evicts else None,
           "spec": spec.to_dict(),
           "cache": dataclasses.asdict(plan.config),
       },

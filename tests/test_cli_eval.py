@@ -18,6 +18,7 @@ def _run(tmp_path, capsys, *argv):
     [
         (["eval", "fidelity"], "kl"),
         (["eval", "passkey"], "accuracy"),
+        (["eval", "multi-question"], "questions"),
         (["eval", "perplexity"], "ppl"),
         (["eval", "retention"], "retention"),
         (["bench"], "decode_ms_per_token"),
@@ -28,7 +29,7 @@ def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, ar
   assert code == 0, out.err
   results = json.loads((tmp_path / "results.json").read_text())
   E.validate_results(results)
-  assert results["task"] == (argv[1] if argv[0] == "eval" else "bench")
+  assert results["task"] == (argv[1].replace("-", "_") if argv[0] == "eval" else "bench")
   assert results["model"]["name"] == "smollm2-135m-instruct"
   assert results["config"]["quick"] is True and results["backend"]["platform"] == "cpu"
   policies = [r["policy"] for r in results["rows"]]
@@ -39,16 +40,19 @@ def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, ar
 
 
 def test_passkey_reports_the_full_cache_accuracy_beside_each_policy(tmp_path, capsys):
-  code, out = _run(
-      tmp_path, capsys, "eval", "passkey", "--quick", "--policy", "full", "tova", "--budget", "0.25"
-  )
+  argv = ["eval", "passkey", "--quick", "--policy", "full", "tova", "--budget", "0.25"]
+  code, out = _run(tmp_path, capsys, *argv, "--fillers", "repeat", "text")
   assert code == 0, out.err
-  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  results = json.loads((tmp_path / "results.json").read_text())
+  rows = results["rows"]
   full = rows[0]["metrics"]["accuracy"]
   assert rows[0]["policy"] == "full" and rows[1]["policy"] == "tova"
   assert "| full-cache accuracy |" in out.out
-  assert f"| {100 * full:.1f}% | 0/1 |" in out.out.rstrip().splitlines()[-1]
-  assert len(rows[1]["answers"]) == 1 and rows[1]["answers"][0]["expected"].isdigit()
+  assert f"| {100 * full:.1f}% | 0/2 |" in out.out.rstrip().splitlines()[-1]
+  assert [a["filler"] for a in rows[1]["answers"]] == ["repeat", "text"]
+  assert all(a["expected"].isdigit() for a in rows[1]["answers"])
+  assert results["config"]["fillers"] == ["repeat", "text"]
+  assert results["config"]["data"]["kind"] == "text"
 
 
 def test_user_data_text_and_jsonl(tmp_path, capsys):
@@ -108,6 +112,18 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
         ),
         (["bench", "--context-tokens", "9000"], "exceeds the model context 8192"),
         (["eval", "passkey", "--jsonl", "/nonexistent.jsonl"], "cannot read JSONL file"),
+        (["eval", "passkey", "--fillers", "repeat", "nope"], "fillers must be a non-empty list"),
+        (["eval", "passkey", "--text", "SHORT"], "--text only as the haystack of --fillers text"),
+        (
+            ["eval", "passkey", "--fillers", "text", "--text", "SHORT", "--policy", "full"],
+            "too short for 3 window.s. of 1024 tokens",
+        ),
+        (["eval", "multi-question", "--facts", "0"], "facts must be an int >= 1, got 0"),
+        (["eval", "multi-question", "--trials", "0"], "trials must be an int >= 1, got 0"),
+        (
+            ["eval", "multi-question", "--policy", "full", "--context-tokens", "60"],
+            "context_tokens=60 is too short for 4 facts",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, capsys, argv, message):

@@ -1,4 +1,6 @@
 import json
+import re
+import types
 
 import numpy as np
 import pytest
@@ -82,6 +84,131 @@ def test_passkey_counts_every_case_and_reports_answers(model, tokenizer):
   assert r["accuracy"] == r["correct"] / 4
   assert {a["depth"] for a in r["answers"]} == {0.2, 0.8}
   assert all(a["expected"].isdigit() and len(a["expected"]) == 5 for a in r["answers"])
+
+
+def test_passkey_fillers_give_fillers_x_depths_x_trials_cases(model, tokenizer, text_ids):
+  cases = _tasks.passkey_cases(
+      tokenizer, 300, depths=(0.2, 0.8), trials=2, fillers=("repeat", "text"), ids=text_ids
+  )
+  assert [(c["filler"], c["depth"]) for c in cases] == [
+      (f, d) for f in ("repeat", "text") for d in (0.2, 0.8) for _ in range(2)
+  ]
+  opening, _ = _tasks._chat_parts(tokenizer, True)
+  question = _tasks._question_ids(tokenizer, _data.PASSKEY_QUESTION, True)
+  for case in cases:
+    text = tokenizer.decode(case["ids"])
+    assert len(opening) + len(case["ids"]) + len(question) == 300
+    assert f"The pass key is {case['answer']}." in text
+    assert ("The grass is green." in text) == (case["filler"] == "repeat")
+  # Each "text" case has its own window of the text.
+  windows = {tokenizer.decode(c["ids"][-40:]) for c in cases if c["filler"] == "text"}
+  assert len(windows) == 4
+  # The default filler keeps the keys passkey drew before fillers existed.
+  rng = np.random.default_rng(0)
+  old_keys = [str(rng.integers(10000, 100000)) for _ in range(4)]
+  repeat = _tasks.passkey_cases(tokenizer, 300, depths=(0.2, 0.8), trials=2)
+  assert [c["answer"] for c in repeat] == old_keys == [c["answer"] for c in cases[:4]]
+  r = E.passkey(
+      model,
+      tokenizer,
+      context_tokens=200,
+      depths=(0.5,),
+      fillers=("repeat", "text"),
+      ids=text_ids,
+      max_new_tokens=2,
+  )
+  assert r["cases"] == 2 and r["failed"] == 0
+  assert [a["filler"] for a in r["answers"]] == ["repeat", "text"]
+  for fillers in (("nope",), (), "text"):
+    with pytest.raises(ValueError, match=r"fillers must be a non-empty list of repeat, text"):
+      E.passkey(model, tokenizer, context_tokens=200, fillers=fillers, ids=text_ids)
+
+
+def test_multi_question_case_puts_each_fact_at_its_depth(tokenizer, text_ids):
+  facts = [("red door", "48213"), ("blue box", "10001"), ("green key", "20002")]
+  facts += [("yellow car", "30003"), ("silver safe", "40004")]
+  case = _tasks.multi_question_case(tokenizer, text_ids[1000:], 600, facts)
+  ids = case["ids"]
+  questions = [f["question_ids"] for f in case["facts"]]
+  assert _tasks._request_tokens(tokenizer, ids, questions, True) == 600
+  assert [f["depth"] for f in case["facts"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
+  for (subject, key), fact in zip(facts, case["facts"]):
+    sentence = tokenizer.encode(f" The code of the {subject} is {key}.")
+    assert ids[fact["at"] : fact["at"] + len(sentence)] == sentence
+    assert abs(fact["at"] / len(ids) - fact["depth"]) < 0.05
+    assert fact["answer"] == key
+    question = tokenizer.decode(fact["question_ids"])
+    assert f"What is the code of the {subject}? Answer with the number only." in question
+  with pytest.raises(ValueError, match="context_tokens=80 is too short for 5 facts"):
+    _tasks.multi_question_case(tokenizer, text_ids, 80, facts)
+
+
+def test_multi_question_prefills_once_and_answers_every_question_from_that_state(
+    model, tokenizer, text_ids, monkeypatch
+):
+  prefilled, asked = [], []
+  real_prefill, real_extend = _tasks.prefill, _tasks.extend
+
+  def prefill(*args, **kwargs):
+    prefilled.append(real_prefill(*args, **kwargs))
+    return prefilled[-1]
+
+  def extend(model, state, prompts, donate=False):
+    [[question]] = prompts
+    asked.append((state, donate, tokenizer.decode(list(question.text))))
+    return real_extend(model, state, prompts, donate=donate)
+
+  def decode(model, state, max_new_tokens, **kwargs):
+    # A stub model: right about the facts in the first half of the context only.
+    subject = re.search(r"code of the (.+?)\?", asked[-1][2]).group(1)
+    fact = next(f for c in cases for f in c["facts"] if f["subject"] == subject)
+    reply = f"It is {fact['answer']}." if fact["depth"] < 0.5 else "I do not know, 12345."
+    return state, types.SimpleNamespace(tokens=[tokenizer.encode(reply)])
+
+  monkeypatch.setattr(_tasks, "prefill", prefill)
+  monkeypatch.setattr(_tasks, "extend", extend)
+  monkeypatch.setattr(_tasks, "decode", decode)
+  # One trial, so that every subject names one fact.
+  cases = _tasks.multi_question_cases(tokenizer, text_ids, 300, facts=4, trials=1)
+  r = E.multi_question(model, tokenizer, text_ids, context_tokens=300, facts=4, trials=1)
+  assert len(prefilled) == 1 and len(asked) == 4
+  assert all(state is prefilled[0] and not donate for state, donate, _ in asked)
+  assert r["questions"] == 4 and r["cases"] == 1 and r["failed"] == 0
+  assert [a["depth"] for a in r["answers"]] == [0.1, 0.367, 0.633, 0.9]
+  assert r["correct"] == 2 and r["accuracy"] == 0.5  # the two facts before the middle
+  assert [a["expected"] for a in r["answers"]] == [f["answer"] for f in cases[0]["facts"]]
+  assert r["answers"][0]["answer"] == f"It is {cases[0]['facts'][0]['answer']}."
+
+
+def test_multi_question_counts_every_question_and_a_crashed_context(
+    model, tokenizer, text_ids, monkeypatch
+):
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.5)
+  kwargs = dict(context_tokens=200, spec=spec, facts=4, trials=2, max_new_tokens=3)
+  r = E.multi_question(model, tokenizer, text_ids, **kwargs)
+  assert r["cases"] == 2 and r["failed"] == 0 and r["questions"] == len(r["answers"]) == 8
+  assert r["accuracy"] == r["correct"] / 8 and r["peak_kv_bytes"] > 0
+  assert [a["case"] for a in r["answers"]] == [0] * 4 + [1] * 4
+  assert all(isinstance(a["answer"], str) for a in r["answers"])
+  real, calls = _tasks.prefill, []
+
+  def flaky(*args, **kw):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("boom")
+    return real(*args, **kw)
+
+  monkeypatch.setattr(_tasks, "prefill", flaky)
+  r = E.multi_question(model, tokenizer, text_ids, **kwargs)
+  assert r["failed"] == 1 and r["errors"] == ["RuntimeError: boom"] and r["questions"] == 8
+  assert [a["answer"] for a in r["answers"][4:]] == [None] * 4
+  for bad, message in [
+      (dict(facts=0), "facts must be an int >= 1, got 0"),
+      (dict(facts=13), "facts must be <= 12"),
+      (dict(trials=40), "too short for 40 window"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      E.multi_question(model, tokenizer, text_ids, **{**kwargs, **bad})
 
 
 def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
@@ -220,6 +347,42 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
   pngs = [p for p in written if p.suffix == ".png"]
   assert {p.name for p in pngs} == {"kl_vs_budget.png", "top1_vs_budget.png"}
   assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(
+    model, tokenizer, text_ids, tmp_path
+):
+  results = E.run_sweep(
+      "multi_question",
+      model,
+      tokenizer,
+      policies=["full", "h2o"],
+      budgets=[0.5],
+      context_tokens=[200],
+      ids=text_ids,
+      options={"facts": 4, "trials": 1},
+      progress=False,
+  )
+  E.validate_results(results)
+  rows = results["rows"]
+  assert [r["metrics"]["questions"] for r in rows] == [4.0, 4.0]
+  assert all(len(r["answers"]) == 4 and r["failed"] == 0 for r in rows)
+  names = {p.name for p in E.write_results(results, tmp_path)}
+  assert names == {"results.json", "results.md", "accuracy_vs_budget.png"}
+  md = (tmp_path / "results.md").read_text()
+  assert "| accuracy | correct | questions | peak_kv_bytes | full-cache accuracy |" in md
+  with pytest.raises(ValueError, match="facts must be an int >= 1"):
+    E.run_sweep(
+        "multi_question",
+        model,
+        tokenizer,
+        policies=["full"],
+        budgets=[],
+        context_tokens=[200],
+        ids=text_ids,
+        options={"facts": 0},
+        progress=False,
+    )
 
 
 def test_bench_sweep_reports_cost_per_length(model, tokenizer, text_ids, tmp_path):

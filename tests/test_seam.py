@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import kvjax
+from kvjax.scorer import shipped_path
 import kvjax.testing
 from kvjax import cli
 
@@ -72,7 +73,7 @@ NON_DEFAULT = {
     "policy": ("h2o", "h2o"),
     "budget": ("96", 96),
     "budget_schedule": ("pyramid", "pyramid"),
-    "per_head": (None, True),
+    "head_budget": ("layer", "layer"),
     "sink": ("8", 8),
     "recent": ("24", 24),
     "page_size": ("8", 8),
@@ -85,21 +86,31 @@ NON_DEFAULT = {
 }
 
 
-def _argv():
+# The fields that only a compress-once policy takes, checked on their own spec.
+COMPRESS_ONCE = {
+    "policy": ("learned", "learned"),
+    "budget": ("auto", "auto"),
+    "threshold": ("-4.5", -4.5),
+    "scorer": (str(shipped_path()), str(shipped_path())),
+}
+
+
+def _argv(fields=NON_DEFAULT):
   argv = []
-  for name, (text, _) in NON_DEFAULT.items():
+  for name, (text, _) in fields.items():
     argv += [f"--{name.replace('_', '-')}"] + ([] if text is None else [text])
   return argv
 
 
 def test_every_spec_field_has_a_cli_flag_that_reaches_the_spec():
   fields = {f.name for f in dataclasses.fields(kvjax.CompressionSpec)}
-  assert fields == set(NON_DEFAULT), "a new CompressionSpec field needs a case here"
-  args = cli.build_parser().parse_args(["generate", "hi", *_argv()])
-  spec = cli.spec_from_args(args)
-  for name, (_, value) in NON_DEFAULT.items():
-    got = spec.policy.name if name == "policy" else getattr(spec, name)
-    assert got == value, name
+  assert fields == set(NON_DEFAULT) | set(COMPRESS_ONCE), "a new field needs a case here"
+  for cases in (NON_DEFAULT, COMPRESS_ONCE):
+    args = cli.build_parser().parse_args(["generate", "hi", *_argv(cases)])
+    spec = cli.spec_from_args(args)
+    for name, (_, value) in cases.items():
+      got = spec.policy.name if name == "policy" else getattr(spec, name)
+      assert got == value, name
   # eval/bench: the same flags, policy and budget swept.
   args = cli.build_parser().parse_args(["eval", "fidelity", *_argv(), "--policy", "h2o", "tova"])
   assert args.policy == ["h2o", "tova"] and args.budget == [96]

@@ -67,7 +67,7 @@ def main(argv=None):
   pyramid = report("h2o", "budget_schedule=pyramid", {"budget_schedule": "pyramid"}, widest)
   top = widest(pyramid)
   report("h2o", f"uniform at the pyramid's largest layer budget ({top})", {"budget": top}, widest)
-  report("h2o", "per_head=True", {"per_head": True}, lambda stats: budget)
+  report("h2o", "head_budget=layer", {"head_budget": "layer"}, lambda stats: budget)
 
 
 if __name__ == "__main__":

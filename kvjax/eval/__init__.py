@@ -5,7 +5,8 @@ Stable API (other tools call it):
 - `fidelity`, `continuation_logits`, `compare_predictions`: full vs compressed cache on the
   same text (KL, top-1 agreement, perplexities);
 - `answer`: a greedy answer to a question about a compressed context;
-- tasks `passkey`, `perplexity`, `instruction_retention`, `windowed_fidelity`;
+- tasks `passkey`, `multi_question` (one compressed context, several questions),
+  `perplexity`, `instruction_retention`, `windowed_fidelity`;
 - `bench` / `decode_cost`: KV bytes, prefill seconds, decode ms/token, eviction share;
 - `run_sweep` (policies x budgets x request lengths) and `write_results` (results.json,
   results.md, PNG plots; schema in `kvjax.eval._report`, checked by `validate_results`);
@@ -23,6 +24,7 @@ from kvjax.eval._sweep import run as run_sweep
 from kvjax.eval._tasks import (
     answer,
     instruction_retention,
+    multi_question,
     passkey,
     perplexity,
     resolve_budget,
@@ -41,6 +43,7 @@ __all__ = [
     "default_text",
     "fidelity",
     "instruction_retention",
+    "multi_question",
     "passkey",
     "perplexity",
     "resolve_budget",

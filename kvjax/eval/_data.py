@@ -2,7 +2,8 @@
 
 The default text is an excerpt (610 kB, about 155k tokens) of the Jargon File 4.4.7, which is in
 the public domain, shipped in the package as `kvjax/data/jargon.txt.gz`: it works offline on
-any machine. Passkey cases use the usual synthetic filler, so they need no data at all.
+any machine. Passkey cases use the usual synthetic filler by default, so they need no data at all;
+their "text" filler and the multi-question facts are embedded into windows of real text.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import gzip
 import importlib.resources
 import json
 import pathlib
+import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,6 +28,24 @@ PASSKEY_FILLER = (
 )
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+
+# Multi-question facts: one sentence per subject, each with its own code, asked one by one.
+FACT_SUBJECTS = (
+    "red door",
+    "blue box",
+    "green key",
+    "yellow car",
+    "silver safe",
+    "black gate",
+    "white locker",
+    "orange bicycle",
+    "purple suitcase",
+    "golden chest",
+    "brown cabinet",
+    "grey vault",
+)
+FACT = " The code of the {subject} is {key}."
+FACT_QUESTION = "What is the code of the {subject}? Answer with the number only."
 
 RETENTION_INSTRUCTION = (
     " IMPORTANT INSTRUCTION: whatever the question, answer in French and end every answer "
@@ -79,6 +100,11 @@ def read_jsonl(path: str | pathlib.Path, fields: tuple[str, ...]) -> list[dict]:
   return records
 
 
+def _starts(total: int, span: int, count: int) -> list[int]:
+  """Starts of `count` spans of `span` tokens spread evenly over `total` tokens."""
+  return np.linspace(0, total - span, count).astype(int).tolist() if count > 1 else [0]
+
+
 def text_windows(
     ids: list[int], context_tokens: int, continuation_tokens: int, windows: int
 ) -> list[tuple[list[int], list[int]]]:
@@ -90,8 +116,58 @@ def text_windows(
         f"{context_tokens} context + {continuation_tokens} continuation tokens "
         f"({span * windows} needed)"
     )
-  starts = np.linspace(0, len(ids) - span, windows).astype(int) if windows > 1 else [0]
+  starts = _starts(len(ids), span, windows)
   return [(ids[s : s + context_tokens], ids[s + context_tokens : s + span]) for s in starts]
+
+
+def windows(ids: Sequence[int], size: int, count: int) -> list[list[int]]:
+  """`count` disjoint windows of `size` tokens spread evenly over `ids` (one per case)."""
+  if len(ids) < size * count:
+    raise ValueError(
+        f"the text has {len(ids)} tokens, too short for {count} window(s) of {size} tokens "
+        f"({size * count} needed)"
+    )
+  return [list(ids[s : s + size]) for s in _starts(len(ids), size, count)]
+
+
+# Text ending a sentence (a stop, maybe closing quotes) or a paragraph (a blank line).
+_SENTENCE_END = re.compile(r"([.!?][\"'”’)\]]*|\n\s*\n)\s*$")
+
+
+def embed(
+    tokenizer, text: Sequence[int], inserts: Sequence[tuple[Sequence[int], float]], radius=32
+) -> tuple[list[int], list[int]]:
+  """`text` (token ids) with each (ids, depth) of `inserts` placed at `depth` of it (0 = start,
+  1 = end); returns (ids, index where each insertion starts, in the order given).
+
+  Each place moves to the nearest sentence or paragraph end within `radius` tokens (else the
+  nearest word start), so the inserted sentence does not cut the text's own sentences or
+  words (hard-wrapped lines are not sentence ends)."""
+  text = list(text)
+  pieces = {i: tokenizer.decode([i]) for i in set(text)}
+  piece = lambda at: pieces[text[at]] if 0 <= at < len(text) else ""  # noqa: E731
+  sentence_end = lambda at: (  # noqa: E731
+      at in (0, len(text)) or _SENTENCE_END.search(piece(at - 2) + piece(at - 1)) is not None
+  )
+  word_start = lambda at: at == len(text) or piece(at)[:1].isspace()  # noqa: E731
+
+  def place(depth: float) -> int:
+    target = int(round(depth * len(text)))
+    near = range(max(0, target - radius), min(len(text), target + radius) + 1)
+    for good in (sentence_end, word_start):
+      found = [at for at in near if good(at)]
+      if found:
+        return min(found, key=lambda at: (abs(at - target), at))
+    return target
+
+  places = [place(depth) for _, depth in inserts]
+  out, starts, done = [], [0] * len(inserts), 0
+  for k in sorted(range(len(inserts)), key=lambda k: (places[k], k)):
+    out += text[done : places[k]]
+    starts[k] = len(out)
+    out += list(inserts[k][0])
+    done = places[k]
+  return out + text[done:], starts
 
 
 def fill_to(tokenizer, prefix: list[int], filler: str, length: int, insert=None, depth=0.5):

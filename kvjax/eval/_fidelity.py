@@ -18,16 +18,28 @@ def full_cache_spec(spec: CompressionSpec) -> CompressionSpec:
 
 
 def continuation_logits(
-    model, context_ids, continuation_ids, spec: CompressionSpec, *, tokenizer=None, seed=0
+    model,
+    context_ids,
+    continuation_ids,
+    spec: CompressionSpec,
+    *,
+    tokenizer=None,
+    seed=0,
+    stats: dict | None = None,
 ):
   """Logits predicting each continuation token [N, V] (the first from the last context
   position), with the context prefilled under `spec` and the continuation fed
   teacher-forced (decode-time eviction applies); and the peak KV bytes held. `tokenizer`
-  is for policies that prompt the model themselves (kvzip's reconstruction prompt)."""
+  is for policies that prompt the model themselves (kvzip's reconstruction prompt).
+  `stats`, if given, receives `kept_fraction`: the share of the context's K/V entries
+  (over layers and kv heads) still cached after prefill."""
   context_ids, continuation_ids = list(context_ids), list(continuation_ids)
   state = prefill(
       model, [context_ids], spec, tokenizer=tokenizer, reserve=len(continuation_ids), seed=seed
   )
+  if stats is not None:
+    lengths = np.asarray(state.cache.length)
+    stats["kept_fraction"] = float(lengths.sum() / (lengths.size * len(context_ids)))
   first = state.logits
   if len(continuation_ids) == 1:
     return first, state.peak_kv_bytes()
@@ -73,7 +85,8 @@ def fidelity(
   The context is prefilled with compression; the continuation is then fed teacher-forced
   (decode-time eviction applies). Over the continuation predictions (including the first,
   from the last context position) returns `kl` = mean KL(P_full || P_compressed) in nats,
-  `top1` agreement, `ppl_full` and `ppl` of the continuation tokens, and `peak_kv_bytes`.
+  `top1` agreement, `ppl_full` and `ppl` of the continuation tokens, `peak_kv_bytes` and
+  `kept_fraction` (see `continuation_logits`).
   Pass `reference_logits` (from `continuation_logits` with the full cache) to reuse them.
   """
   if len(context_ids) < 1 or len(continuation_ids) < 1:
@@ -85,9 +98,11 @@ def fidelity(
     reference_logits, _ = continuation_logits(
         model, context_ids, continuation_ids, full_cache_spec(spec)
     )
+  kept = {}
   logits, peak = continuation_logits(
-      model, context_ids, continuation_ids, spec, tokenizer=tokenizer
+      model, context_ids, continuation_ids, spec, tokenizer=tokenizer, stats=kept
   )
   result = compare_predictions(reference_logits, logits, np.asarray(continuation_ids))
   result["peak_kv_bytes"] = peak
+  result["kept_fraction"] = kept["kept_fraction"]
   return result

@@ -14,8 +14,9 @@ import numpy as np
 SCHEMA = "kvjax-results/1"
 
 METRICS = {
-    "fidelity": ("kl", "top1", "ppl", "ppl_full", "peak_kv_bytes"),
+    "fidelity": ("kl", "top1", "ppl", "ppl_full", "kept_fraction", "peak_kv_bytes"),
     "passkey": ("accuracy", "correct", "peak_kv_bytes"),
+    "multi_question": ("accuracy", "correct", "questions", "peak_kv_bytes"),
     "perplexity": ("ppl", "ppl_full", "peak_kv_bytes"),
     "retention": ("retention", "retained_all", "peak_kv_bytes"),
     "bench": (
@@ -31,13 +32,14 @@ METRICS = {
 QUALITY_PLOTS = {
     "fidelity": ("kl", "top1"),
     "passkey": ("accuracy",),
+    "multi_question": ("accuracy",),
     "perplexity": ("ppl",),
     "retention": ("retention",),
 }
 LABELS = {
     "kl": "KL(full || compressed), nats",
     "top1": "top-1 agreement with the full cache",
-    "accuracy": "passkey accuracy",
+    "accuracy": "accuracy (fraction of answers correct)",
     "ppl": "perplexity of the continuation",
     "retention": "instruction tokens kept (fraction)",
 }
@@ -151,9 +153,9 @@ def _fmt(name: str, value) -> str:
     return "-"
   if "bytes" in name:
     return f"{value / 2**20:.1f} MiB"
-  if name in ("accuracy", "top1", "retention", "retained_all", "eviction_share"):
+  if name in ("accuracy", "top1", "retention", "retained_all", "eviction_share", "kept_fraction"):
     return f"{100 * value:.1f}%"
-  if name == "correct":
+  if name in ("correct", "questions"):
     return str(int(value))
   return f"{value:.4g}"
 
@@ -171,9 +173,10 @@ def markdown(results: dict) -> str:
   if "command" in results["config"]:
     lines += ["", f"Command: `{results['config']['command']}`"]
   baseline = {r["context_tokens"]: r for r in rows if r["policy"] == "full"}
-  # Passkey rows show the full cache's accuracy beside their own; bench rows their decode
+  # Answer tasks show the full cache's accuracy beside their own; bench rows their decode
   # time relative to the full cache at the same request length.
-  extra = {"passkey": ["full-cache accuracy"], "bench": ["decode vs full"]}.get(task, [])
+  answered = task in ("passkey", "multi_question")
+  extra = ["full-cache accuracy"] if answered else ["decode vs full"] if task == "bench" else []
   for length in sorted({r["context_tokens"] for r in rows}):
     lines += ["", f"## {length} tokens", ""]
     header = ["policy", "budget", "kept tokens", *metrics, *extra, "failed"]
@@ -186,7 +189,7 @@ def markdown(results: dict) -> str:
           "all" if r["budget_tokens"] is None else str(r["budget_tokens"]),
           *(_fmt(m, r["metrics"][m]) for m in metrics),
       ]
-      if task == "passkey":
+      if answered:
         cells.append("-" if base is None else _fmt("accuracy", base["metrics"]["accuracy"]))
       if task == "bench":
         ratio = None
@@ -245,7 +248,7 @@ def plots(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
         ax.plot(xs, [r["metrics"][metric] for r in series], marker="o", label=label)
       ax.set_xlabel("budget (tokens kept per sequence)")
       ax.set_ylabel(LABELS[metric])
-      ax.set_title(f"{length}-token requests")
+      ax.set_title(f"{task}, {length}-token requests")
       ax.legend(fontsize=7)
     written.append(_save(fig, out / f"{metric}_vs_budget.png"))
   return written

@@ -11,7 +11,14 @@ from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy
 from kvjax.spec import CompressionSpec
 
-TASKS = ("fidelity", "passkey", "perplexity", "retention", "bench")
+TASKS = ("fidelity", "passkey", "multi_question", "perplexity", "retention", "bench")
+
+# Task options passed on to the task functions when given (their defaults apply otherwise).
+_OPTIONS = {
+    "passkey": ("depths", "trials", "fillers"),
+    "multi_question": ("facts", "trials"),
+    "retention": ("depths",),
+}
 
 
 def bench(
@@ -48,6 +55,19 @@ def expand_policies(names: Sequence[str]) -> list[str]:
   return out
 
 
+def check_options(task: str, options: dict) -> None:
+  """Raises ValueError for a bad task option (depths, trials, facts, fillers); the CLI calls
+  it before the model loads."""
+  if "depths" in options:
+    _tasks.check_depths(options["depths"])
+  if "trials" in options:
+    _tasks.check_counts(trials=options["trials"])
+  if "facts" in options:
+    _tasks.check_facts(options["facts"])
+  if "fillers" in options:
+    _tasks.check_fillers(options["fillers"])
+
+
 def configurations(policies, budgets, lengths):
   """(length, policy, budget) in run order; the full cache once per length, first."""
   for length in lengths:
@@ -71,22 +91,27 @@ def run(
     cases: list[dict] | None = None,
     options: dict | None = None,
     spec: CompressionSpec | None = None,
+    threshold: float | None = None,
+    scorer: str | None = None,
     config: dict | None = None,
     progress: bool = True,
 ) -> dict:
   """Runs `task` for every (request length, policy, budget) and returns the results.
 
   `spec` holds every other compression choice (sink, page size, ...); each configuration
-  is `spec` with its policy and budget. `options` are the task's own (windows, depths, ...).
-  `ids` is the text (fidelity, perplexity, retention, bench); `cases` the user's QA records
-  for passkey (synthetic cases otherwise). Every configuration is checked before any runs,
-  so bad input fails fast; a configuration that crashes is recorded as failed.
+  is `spec` with its policy and budget (and `threshold` where the budget is 'auto', `scorer`
+  where the policy is 'learned'). `options` are the task's own (windows, depths, ...).
+  `ids` is the text (fidelity, multi_question, perplexity, retention, bench, and passkey's
+  "text" filler); `cases` the user's QA records for passkey (synthetic cases otherwise).
+  Every configuration is checked before any runs, so bad input fails fast; a configuration
+  that crashes is recorded as failed.
   """
   from tqdm.auto import tqdm
 
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
   options = dict(options or {})
+  check_options(task, options)
   policies = expand_policies(policies)
   if any(p != "full" for p in policies) and not budgets:
     raise ValueError("policies other than 'full' need at least one --budget")
@@ -96,10 +121,20 @@ def run(
   for n in context_tokens:
     if n > limit:
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
+  if threshold is not None and "auto" not in budgets:
+    raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
   base = CompressionSpec() if spec is None else spec.replace(policy="full", budget=None)
   grid = list(configurations(policies, budgets, context_tokens))
   # Every configuration's spec and budget in tokens, checked before anything runs.
-  specs = {c: base.replace(policy=c[1], budget=c[2]) for c in grid}
+  specs = {
+      c: base.replace(
+          policy=c[1],
+          budget=c[2],
+          threshold=threshold if c[2] == "auto" else None,
+          scorer=scorer if c[1] == "learned" else None,
+      )
+      for c in grid
+  }
   kept = {c: _tasks.resolve_budget(specs[c], c[0]) for c in grid}
   for length in context_tokens:
     _check_data(task, tokenizer, length, ids, cases, options)
@@ -112,7 +147,11 @@ def run(
           "policies": policies,
           "budgets": list(budgets),
           "context_tokens": list(context_tokens),
-          "spec": {k: v for k, v in base.to_dict().items() if k not in ("policy", "budget")},
+          "spec": {
+              **{k: v for k, v in base.to_dict().items() if k not in ("policy", "budget")},
+              "threshold": threshold,
+              "scorer": scorer,
+          },
           **options,
       },
   )
@@ -156,14 +195,23 @@ def _check_data(task, tokenizer, length, ids, cases, options):
   """Raises ValueError when the data cannot make a request of `length` tokens."""
   if task == "passkey":
     if cases is None:
-      _tasks.passkey_case(tokenizer, length, 0.5, "00000")
+      if ids is None and "text" in options.get("fillers", ()):
+        raise ValueError("the passkey 'text' filler needs text token ids")
+      _tasks.passkey_cases(tokenizer, length, ids=ids, **_given(task, options))
     return
   if ids is None:
     raise ValueError(f"task {task!r} needs text token ids")
-  if task in ("fidelity", "perplexity"):
+  if task == "multi_question":
+    _tasks.multi_question_cases(tokenizer, ids, length, **_given(task, options))
+  elif task in ("fidelity", "perplexity"):
     _data.text_windows(list(ids), length, options["continuation_tokens"], options["windows"])
   elif len(ids) < length:
     raise ValueError(f"the text has {len(ids)} tokens, too short for a {length}-token request")
+
+
+def _given(task: str, options: dict) -> dict:
+  """The options of `task` that were given."""
+  return {k: options[k] for k in _OPTIONS.get(task, ()) if k in options}
 
 
 def _number(value):
@@ -178,9 +226,13 @@ def _run_one(task, model, tokenizer, length, spec, ids, cases, options, referenc
         tokenizer,
         context_tokens=length,
         spec=spec,
-        depths=options.get("depths", (0.1, 0.5, 0.9)),
-        trials=options.get("trials", 1),
+        ids=ids,
         cases=cases,
+        **_given(task, options),
+    )
+  if task == "multi_question":
+    return _tasks.multi_question(
+        model, tokenizer, ids, context_tokens=length, spec=spec, **_given(task, options)
     )
   if task in ("fidelity", "perplexity"):
     fn = _tasks.windowed_fidelity if task == "fidelity" else _tasks.perplexity
@@ -196,12 +248,7 @@ def _run_one(task, model, tokenizer, length, spec, ids, cases, options, referenc
     )
   if task == "retention":
     return _tasks.instruction_retention(
-        model,
-        tokenizer,
-        ids,
-        context_tokens=length,
-        spec=spec,
-        depths=options.get("depths", (0.1, 0.5, 0.9)),
+        model, tokenizer, ids, context_tokens=length, spec=spec, **_given(task, options)
     )
   metrics = bench(
       model,

@@ -1,5 +1,5 @@
 """Evaluation tasks built on `fidelity` and generation: answers, passkey retrieval,
-perplexity, instruction retention.
+multi-question answering from one compressed context, perplexity, instruction retention.
 
 Each task takes a `kvjax.CompressionSpec` (its `budget` in tokens, or a fraction in (0, 1)
 of the request length) and returns a dict of metrics with `cases`,
@@ -71,6 +71,46 @@ def _question_ids(tokenizer, question: str, chat: bool) -> list[int]:
   return tokenizer.encode("\n\n" + question) + _chat_parts(tokenizer, chat)[1]
 
 
+def _request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat: bool) -> int:
+  """Tokens of the request for the longest of `questions` (ids) about `context_ids`."""
+  return len(_chat_parts(tokenizer, chat)[0]) + len(context_ids) + max(map(len, questions))
+
+
+def _prefill_context(
+    model,
+    tokenizer,
+    context_ids: Sequence[int],
+    questions: Sequence[list[int]],
+    spec: CompressionSpec,
+    *,
+    max_new_tokens: int,
+    chat: bool,
+    seed: int,
+):
+  """The state after the chat template's opening and `context_ids` are prefilled and
+  compressed, ready for any of `questions` (ids): the budget is resolved against the
+  request for the longest one, and the cache keeps room for it and the answer."""
+  opening, _ = _chat_parts(tokenizer, chat)
+  longest = max(map(len, questions))
+  spec = _at_budget(spec, _request_tokens(tokenizer, context_ids, questions, chat))
+  # The template's own tokens are protected: only the context competes for the budget.
+  context = [Segment(opening, protected=True), Segment(list(context_ids))]
+  return prefill(
+      model, [context], spec, tokenizer=tokenizer, reserve=longest + max_new_tokens, seed=seed
+  )
+
+
+def _ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):
+  """(greedy answer, peak KV bytes) for `question_ids` appended to `state`. The question is
+  protected, so it stays cached while the answer is generated; `donate=False` leaves `state`
+  valid for the next question."""
+  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=donate)
+  state, result = decode(
+      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
+  )
+  return tokenizer.decode(result.tokens[0], skip_special_tokens=True), state.peak_kv_bytes()
+
+
 def _answer(
     model,
     tokenizer,
@@ -83,27 +123,18 @@ def _answer(
     seed: int = 0,
 ) -> tuple[str, int]:
   """`answer`, with the peak KV bytes held."""
-  opening, _ = _chat_parts(tokenizer, chat)
   question_ids = _question_ids(tokenizer, question, chat)
-  request = len(opening) + len(context_ids) + len(question_ids)
-  spec = _at_budget(spec, request)
-  # The template's own tokens and the question are protected: the question stays cached
-  # while the answer is generated; only the context competes for the budget.
-  context = [Segment(opening, protected=True), Segment(list(context_ids))]
-  state = prefill(
+  state = _prefill_context(
       model,
-      [context],
+      tokenizer,
+      context_ids,
+      [question_ids],
       spec,
-      tokenizer=tokenizer,
-      reserve=len(question_ids) + max_new_tokens,
+      max_new_tokens=max_new_tokens,
+      chat=chat,
       seed=seed,
   )
-  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=True)
-  state, result = decode(
-      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
-  )
-  text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
-  return text, state.peak_kv_bytes()
+  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True)
 
 
 def answer(
@@ -133,37 +164,110 @@ def answer(
   )[0]
 
 
-def _check_depths(depths):
+FILLERS = ("repeat", "text")
+
+
+def check_depths(depths):
+  """Raises ValueError unless `depths` is a non-empty list of fractions in [0, 1]."""
   if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
     raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths!r}")
 
 
-def passkey_case(tokenizer, context_tokens: int, depth: float, key: str, chat: bool = True):
-  """Context ids (filler with the pass key at `depth`) sized so that the whole request
-  (template, context, question) is `context_tokens` tokens."""
-  opening, _ = _chat_parts(tokenizer, chat)
-  overhead = len(opening) + len(_question_ids(tokenizer, _data.PASSKEY_QUESTION, chat))
+def check_counts(**counts):
+  """Raises ValueError for a count (trials=, facts=, ...) that is not an int >= 1."""
+  for name, value in counts.items():
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_facts(facts: int) -> None:
+  """Raises ValueError unless `facts` is an int in [1, one per subject]."""
+  check_counts(facts=facts)
+  if facts > len(_data.FACT_SUBJECTS):
+    raise ValueError(f"facts must be <= {len(_data.FACT_SUBJECTS)} (one subject each), got {facts}")
+
+
+def check_fillers(fillers: Sequence[str]) -> tuple[str, ...]:
+  """`fillers` as a tuple; ValueError unless it is a non-empty list of `FILLERS` names."""
+  if isinstance(fillers, str) or not fillers or any(f not in FILLERS for f in fillers):
+    raise ValueError(f"fillers must be a non-empty list of {', '.join(FILLERS)}, got {fillers!r}")
+  return tuple(fillers)
+
+
+def _default_ids(tokenizer) -> list[int]:
+  """The shipped default text, tokenized (the text when a task is given none)."""
+  return tokenizer.encode(_data.default_text())
+
+
+def passkey_case(
+    tokenizer,
+    context_tokens: int,
+    depth: float,
+    key: str,
+    chat: bool = True,
+    text: Sequence[int] | None = None,
+):
+  """Context ids (the pass key at `depth` of a haystack: the repeated synthetic filler, or
+  the first tokens of `text` ids) sized so that the whole request (template, context,
+  question) is `context_tokens` tokens."""
   needle = tokenizer.encode(_data.PASSKEY_NEEDLE.format(key=key))
   intro = tokenizer.encode(_data.PASSKEY_INTRO)
-  fixed = overhead + len(intro) + len(needle)
+  question = _question_ids(tokenizer, _data.PASSKEY_QUESTION, chat)
+  fixed = _request_tokens(tokenizer, intro + needle, [question], chat)
   if context_tokens <= fixed:
     raise ValueError(
         f"context_tokens={context_tokens} is too short for a passkey request: the template, "
         f"instructions, key and question alone take {fixed} tokens"
     )
-  ids, _ = _data.fill_to(
-      tokenizer,
-      intro,
-      _data.PASSKEY_FILLER,
-      context_tokens - overhead,
-      needle,
-      depth,
-  )
-  return ids
+  room = context_tokens - fixed
+  if text is None:
+    length = room + len(intro) + len(needle)
+    return _data.fill_to(tokenizer, intro, _data.PASSKEY_FILLER, length, needle, depth)[0]
+  if len(text) < room:
+    raise ValueError(f"a text window of {len(text)} tokens is too short for {room} filler tokens")
+  return intro + _data.embed(tokenizer, text[:room], [(needle, depth)])[0]
 
 
-def _first_number(text: str) -> str | None:
-  match = re.search(r"\d+", text)
+def passkey_cases(
+    tokenizer,
+    context_tokens: int,
+    *,
+    depths: Sequence[float] = (0.1, 0.5, 0.9),
+    trials: int = 1,
+    fillers: Sequence[str] = ("repeat",),
+    seed: int = 0,
+    ids: Sequence[int] | None = None,
+) -> list[dict]:
+  """The synthetic passkey cases, fillers x depths x trials: dicts with filler, depth,
+  answer (the key), question and ids (the context). "text" cases take disjoint windows of
+  `ids` (default: the shipped text), one per case."""
+  check_depths(depths)
+  check_counts(trials=trials)
+  fillers = check_fillers(fillers)
+  # Keys are drawn in this order, so the "repeat" cases keep the keys they had before
+  # fillers existed.
+  rng = np.random.default_rng(seed)
+  cases = [
+      {"filler": f, "depth": float(d), "answer": str(rng.integers(10000, 100000))}
+      for f in fillers
+      for d in depths
+      for _ in range(trials)
+  ]
+  in_text = [c for c in cases if c["filler"] == "text"]
+  if in_text:
+    ids = _default_ids(tokenizer) if ids is None else ids
+    for case, window in zip(in_text, _data.windows(ids, context_tokens, len(in_text))):
+      case["text"] = window
+  for case in cases:
+    case["ids"] = passkey_case(
+        tokenizer, context_tokens, case["depth"], case["answer"], text=case.pop("text", None)
+    )
+    case["question"] = _data.PASSKEY_QUESTION
+  return cases
+
+
+def _first_number(text: str | None) -> str | None:
+  match = re.search(r"\d+", text or "")
   return match.group(0) if match else None
 
 
@@ -175,37 +279,35 @@ def passkey(
     spec: CompressionSpec | None = None,
     depths: Sequence[float] = (0.1, 0.5, 0.9),
     trials: int = 1,
+    fillers: Sequence[str] = ("repeat",),
+    ids: Sequence[int] | None = None,
     seed: int = 0,
     max_new_tokens: int = 12,
     cases: Sequence[dict] | None = None,
     progress: Callable | None = None,
 ) -> dict:
-  """Retrieval accuracy: a 5-digit pass key hidden at each depth of a synthetic filler
-  request of `context_tokens` tokens, `trials` keys per depth; correct when the first number
-  of the greedy answer is the key. `cases` (dicts with context, question, answer) replaces
-  the synthetic ones: correct when the expected answer appears in the model's answer.
+  """Retrieval accuracy: a 5-digit pass key hidden at each depth of a haystack request of
+  `context_tokens` tokens, `trials` keys per filler and depth; correct when the first number
+  of the greedy answer is the key. `fillers` are the haystacks: "repeat" (a synthetic
+  sentence group, repeated) and "text" (a window of real text, `ids` or the shipped text,
+  per case). `cases` (dicts with context, question, answer) replaces the synthetic ones:
+  correct when the expected answer appears in the model's answer.
   """
   if cases is None:
-    _check_depths(depths)
-    if not isinstance(trials, int) or trials < 1:
-      raise ValueError(f"trials must be an int >= 1, got {trials!r}")
-    rng = np.random.default_rng(seed)
-    cases = [
-        {"depth": float(d), "answer": str(rng.integers(10000, 100000))}
-        for d in depths
-        for _ in range(trials)
-    ]
-    for case in cases:
-      case["ids"] = passkey_case(tokenizer, context_tokens, case["depth"], case["answer"])
-      case["question"] = _data.PASSKEY_QUESTION
+    cases = passkey_cases(
+        tokenizer,
+        context_tokens,
+        depths=depths,
+        trials=trials,
+        fillers=fillers,
+        seed=seed,
+        ids=ids,
+    )
   else:
     cases = [{**c, "ids": tokenizer.encode(c["context"])} for c in cases]
   for case in cases:  # bad budgets fail here, before any case runs
-    opening, _ = _chat_parts(tokenizer, True)
-    request = (
-        len(opening) + len(case["ids"]) + len(_question_ids(tokenizer, case["question"], True))
-    )
-    resolve_budget(spec, request)
+    question = _question_ids(tokenizer, case["question"], True)
+    resolve_budget(spec, _request_tokens(tokenizer, case["ids"], [question], True))
 
   def run(case):
     text, peak = _answer(
@@ -236,12 +338,150 @@ def passkey(
       "errors": errors,
       "answers": [
           {
+              "filler": c.get("filler"),
               "depth": c.get("depth"),
               "expected": c["answer"],
               "answer": None if r is None else r["answer"],
           }
           for c, r in zip(cases, results)
       ],
+  }
+
+
+def multi_question_case(
+    tokenizer,
+    text: Sequence[int],
+    context_tokens: int,
+    facts: Sequence[tuple[str, str]],
+    chat: bool = True,
+) -> dict:
+  """One context for `multi_question`: the first tokens of `text` (ids) with a fact
+  sentence per (subject, key) of `facts` at evenly spread depths (0.1 to 0.9 of the text),
+  sized so that the request for the longest question is `context_tokens` tokens.
+
+  Returns {"ids": the context, "facts": [{"subject", "answer" (the key), "depth", "at" (the
+  fact's first index in ids), "question_ids"}] in the order given}."""
+  n = len(facts)
+  depths = [round(d, 3) for d in np.linspace(0.1, 0.9, n).tolist()] if n > 1 else [0.5]
+  inserts = [tokenizer.encode(_data.FACT.format(subject=s, key=k)) for s, k in facts]
+  questions = [
+      _question_ids(tokenizer, _data.FACT_QUESTION.format(subject=s), chat) for s, _ in facts
+  ]
+  fixed = _request_tokens(tokenizer, [], questions, chat) + sum(map(len, inserts))
+  room = context_tokens - fixed
+  if room < 1:
+    raise ValueError(
+        f"context_tokens={context_tokens} is too short for {n} facts: the template, facts "
+        f"and longest question alone take {fixed} tokens"
+    )
+  if len(text) < room:
+    raise ValueError(f"a text window of {len(text)} tokens is too short for {room} text tokens")
+  ids, starts = _data.embed(tokenizer, text[:room], list(zip(inserts, depths)))
+  return {
+      "ids": ids,
+      "facts": [
+          {"subject": s, "answer": k, "depth": d, "at": at, "question_ids": q}
+          for (s, k), d, at, q in zip(facts, depths, starts, questions)
+      ],
+  }
+
+
+def multi_question_cases(
+    tokenizer,
+    ids: Sequence[int],
+    context_tokens: int,
+    *,
+    facts: int = 4,
+    trials: int = 6,
+    seed: int = 0,
+) -> list[dict]:
+  """`trials` `multi_question_case`s, each in its own window of `ids`, with `facts`
+  distinct subjects and distinct random 5-digit keys."""
+  check_facts(facts)
+  check_counts(trials=trials)
+  subjects = _data.FACT_SUBJECTS
+  rng = np.random.default_rng(seed)
+  cases = []
+  for text in _data.windows(ids, context_tokens, trials):
+    chosen = rng.choice(len(subjects), facts, replace=False)
+    keys = rng.choice(90000, facts, replace=False) + 10000
+    pairs = [(subjects[i], str(k)) for i, k in zip(chosen, keys)]
+    cases.append(multi_question_case(tokenizer, text, context_tokens, pairs))
+  return cases
+
+
+def multi_question(
+    model,
+    tokenizer,
+    ids: Sequence[int] | None = None,
+    *,
+    context_tokens: int,
+    spec: CompressionSpec | None = None,
+    facts: int = 4,
+    trials: int = 6,
+    seed: int = 0,
+    max_new_tokens: int = 24,
+    progress: Callable | None = None,
+) -> dict:
+  """Query-agnostic compression: one context compressed once, then several questions.
+
+  Each of `trials` contexts is a window of real text (`ids`; default: the shipped text)
+  with `facts` facts ("The code of the red door is 48213.") at evenly spread depths,
+  `context_tokens` tokens with the longest question. The context is prefilled and
+  compressed once (the budget a fraction of that request); every fact's question is then
+  appended (protected) to a copy of that same state and answered greedily; correct when the
+  first number of the answer is the fact's code. `accuracy` is over all questions; a
+  crashed context counts all its questions wrong. `answers` has one record per question.
+  """
+  ids = _default_ids(tokenizer) if ids is None else ids
+  cases = multi_question_cases(
+      tokenizer, ids, context_tokens, facts=facts, trials=trials, seed=seed
+  )
+  for case in cases:  # bad budgets fail here, before any case runs
+    questions = [f["question_ids"] for f in case["facts"]]
+    resolve_budget(spec, _request_tokens(tokenizer, case["ids"], questions, True))
+
+  def run(case):
+    questions = [f["question_ids"] for f in case["facts"]]
+    state = _prefill_context(
+        model,
+        tokenizer,
+        case["ids"],
+        questions,
+        spec,
+        max_new_tokens=max_new_tokens,
+        chat=True,
+        seed=seed,
+    )
+    # Not donated: every question starts from the same compressed context.
+    return [
+        _ask(model, tokenizer, state, q, max_new_tokens=max_new_tokens, donate=False)
+        for q in questions
+    ]
+
+  results, errors = run_cases(cases, run, progress)
+  answers = [
+      {
+          "case": i,
+          "subject": fact["subject"],
+          "depth": fact["depth"],
+          "expected": fact["answer"],
+          "answer": None if result is None else result[j][0],
+      }
+      for i, (case, result) in enumerate(zip(cases, results))
+      for j, fact in enumerate(case["facts"])
+  ]
+  correct = sum(_first_number(a["answer"]) == a["expected"] for a in answers)
+  peaks = [peak for result in results if result is not None for _, peak in result]
+  return {
+      "accuracy": correct / len(answers),  # a crashed context's questions count as wrong
+      "correct": correct,
+      "questions": len(answers),
+      "peak_kv_bytes": max(peaks, default=None),
+      "cases": len(cases),
+      "failed": len(errors),
+      "errors": errors,
+      "answers": answers,
   }
 
 
@@ -288,6 +528,7 @@ def windowed_fidelity(
       "top1": mean("top1"),
       "ppl": pooled("ppl"),
       "ppl_full": pooled("ppl_full"),
+      "kept_fraction": mean("kept_fraction"),
       "peak_kv_bytes": max((r["peak_kv_bytes"] for r in done), default=None),
       "cases": len(pairs),
       "failed": len(errors),
@@ -340,7 +581,7 @@ def instruction_retention(
   policy keeps it by itself. `retention` is averaged over layers, kv heads and depths;
   `retained_all` is the fraction of sequences (layer x head x depth) holding all of it.
   """
-  _check_depths(depths)
+  check_depths(depths)
   instruction_ids = tokenizer.encode(instruction)
   if len(ids) < context_tokens:
     raise ValueError(f"text has {len(ids)} tokens; context_tokens={context_tokens} need more")

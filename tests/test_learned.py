@@ -1,0 +1,163 @@
+"""The `learned` policy: its scorer's formula, training with optax, orbax files tied to the
+model, the threshold mode, and the memory a shared budget frees."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import cli, policies, training
+from kvjax.scorer import Scorer, model_fingerprint
+from kvjax.session import context_scores
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+
+TEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return tiny_llama(max_context=1024, n_layers=2), ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+  model, tokenizer = tiny
+  scorer = training.train_scorer(
+      model,
+      tokenizer,
+      tokenizer.encode(TEXT),
+      model_name="tiny",
+      context_tokens=128,
+      windows=4,
+      steps=150,
+      progress=False,
+  )
+  path = scorer.save(tmp_path_factory.mktemp("scorer") / "tiny")
+  return scorer, path
+
+
+def test_prediction_is_the_linear_map_of_the_normalised_hidden_state():
+  weight = np.zeros((2, 4, 3), np.float32)
+  weight[1, 0, 2], weight[1, 3, 0] = 2.0, -1.0
+  bias = np.array([[0, 0, 0], [0.5, 0, 1]], np.float32)
+  scorer = Scorer(weight, bias, model="hand", fingerprint="x")
+  hidden = jnp.asarray([[[2.0, 0, 0, 2.0]]])  # [B=1, T=1, d=4]; rms = sqrt(2)
+  x = np.array([2, 0, 0, 2]) / np.sqrt(2.0)
+  np.testing.assert_allclose(
+      np.asarray(scorer.predict(hidden, 1))[0, 0],
+      [-x[3] + 0.5, 0.0, 2 * x[0] + 1.0],
+      rtol=1e-5,
+  )
+
+
+def test_training_learns_the_kvzip_ranking_on_held_out_text(trained):
+  scorer, _ = trained
+  m = scorer.metrics
+  assert m["held_out_windows"] == 1 and m["train_windows"] == 3
+  assert m["r2"] > 0.2  # a constant predictor has R^2 = 0
+  assert m["top25_overlap"] > 0.25  # random picks would find 25% of the best quarter
+
+
+def test_saved_scorer_reloads_and_scores_identically(tiny, trained):
+  model, tokenizer = tiny
+  scorer, path = trained
+  loaded = Scorer.load(path)
+  assert loaded == scorer and hash(loaded) == hash(scorer)
+  assert loaded.metrics == scorer.metrics and loaded.fingerprint == model_fingerprint(model)
+  ids = tokenizer.encode(TEXT[:300])
+  by_object = kvjax.CompressionSpec(policy=policies.Learned(scorer), budget=0.25)
+  by_path = kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(path))
+  a, _ = context_scores(model, [ids], by_object)
+  b, _ = context_scores(model, [ids], by_path)
+  np.testing.assert_array_equal(a, b)
+
+
+def test_saving_never_leaves_a_partial_directory(trained, tmp_path):
+  scorer, path = trained
+  with pytest.raises(FileExistsError):
+    scorer.save(path)
+  out = scorer.save(tmp_path / "copy")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no staging left behind
+  assert Scorer.load(out) == scorer
+
+
+def test_a_scorer_for_another_model_is_refused(trained):
+  _, path = trained
+  other = tiny_llama(max_context=1024, n_layers=2, seed=1)
+  spec = kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(path))
+  with pytest.raises(ValueError, match="trained for 'tiny'.*train-scorer"):
+    kvjax.prefill(other, [[1, 2, 3, 4, 5]], spec)
+
+
+def test_not_a_scorer_directory_is_one_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="is not a trained kvjax scorer"):
+    kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(tmp_path))
+  with pytest.raises(ValueError, match="scorer=.*is for policy 'learned'"):
+    kvjax.CompressionSpec(policy="h2o", budget=64, scorer=str(tmp_path))
+
+
+def test_threshold_keeps_exactly_the_tokens_above_it_and_the_protected(tiny, trained):
+  model, tokenizer = tiny
+  _, path = trained
+  ids = tokenizer.encode(TEXT[:400])
+  n = len(ids)
+  base = kvjax.CompressionSpec(policy="learned", budget=0.5, scorer=str(path), sink=4, recent=8)
+  scores, _ = context_scores(model, [ids], base)
+  threshold = float(np.median(scores[..., 4 : n - 8]))
+  spec = base.replace(budget="auto", threshold=threshold)
+  state = kvjax.prefill(model, [ids], spec, reserve=8)
+  assert_cache_invariants(state.cache)
+  c = model.config
+  kept_counts = []
+  for layer in range(c.n_layers):
+    for head in range(c.n_kv_heads):
+      kept = set(kvjax.read_sequence(state.cache, layer, 0, head)[2].tolist())
+      above = {i for i in range(n) if scores[layer, 0, head, i] > threshold}
+      assert kept == above | set(range(4)) | set(range(n - 8, n))
+      kept_counts.append(len(kept))
+  assert len(set(kept_counts)) > 1  # the kept fraction differs per head
+
+
+def test_auto_budget_needs_a_threshold_and_a_compress_once_policy():
+  with pytest.raises(ValueError, match="needs threshold="):
+    kvjax.CompressionSpec(policy="kvzip", budget="auto")
+  with pytest.raises(ValueError, match="evicts while it reads"):
+    kvjax.CompressionSpec(policy="h2o", budget="auto", threshold=0.1)
+  with pytest.raises(ValueError, match="applies only with budget='auto'"):
+    kvjax.CompressionSpec(policy="kvzip", budget=0.25, threshold=0.1)
+
+
+@pytest.mark.parametrize("sharing", ["global", "layer", "uniform"])
+def test_a_shared_budget_frees_the_memory_it_does_not_keep(tiny, trained, sharing):
+  """At 25% kept the pool holds at most 25% of the full cache's pages, plus a page per
+  sequence (partial pages) and the reserve, while kept counts follow the scores."""
+  model, tokenizer = tiny
+  _, path = trained
+  ids = tokenizer.encode(TEXT[:1000])
+  n, ps, reserve = len(ids), 16, 16
+  spec = kvjax.CompressionSpec(
+      policy="learned", budget=0.25, scorer=str(path), head_budget=sharing, page_size=ps
+  )
+  state = kvjax.prefill(model, [ids], spec, reserve=reserve)
+  full = kvjax.prefill(model, [ids], reserve=reserve)
+  sequences = model.config.n_layers * model.config.n_kv_heads
+  full_pages = sequences * -(-n // ps)
+  pool_pages = state.cache.num_pages - 1  # page 0 is the null page
+  assert pool_pages <= 0.25 * full_pages + sequences + sequences * -(-reserve // ps)
+  assert full.cache.num_pages - 1 >= full_pages
+  lengths = np.asarray(state.cache.length)[:, 0]  # [L, H]
+  budget = spec.budget_tokens(n)
+  assert lengths.sum() <= budget * sequences + 2  # ties aside
+  if sharing == "uniform":
+    assert (lengths == budget).all()
+  else:
+    assert len(set(lengths.ravel().tolist())) > 1
+  state, result = kvjax.decode(model, state, 8)
+  assert len(result.tokens[0]) == 8
+
+
+def test_train_scorer_command_checks_its_options_before_loading(capsys):
+  assert cli.main(["train-scorer", "--windows", "1", "--quiet"]) == 2
+  assert "windows must be an int >= 2" in capsys.readouterr().err
+  assert cli.main(["train-scorer", "--held-out", "1.5", "--quiet"]) == 2
+  assert "held_out must be a fraction" in capsys.readouterr().err
