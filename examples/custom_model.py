@@ -7,7 +7,10 @@ pre-norm blocks with RoPE, grouped-query attention and a GELU MLP. To plug into 
 
   1. `config` with n_layers, n_kv_heads, head_dim, vocab_size, max_context;
   2. `run(tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None)`, which
-     computes q, k, v per layer and hands them to `attend` instead of attending itself.
+     computes q, k, v per layer and hands them to `attend` instead of attending itself;
+
+and, optionally, `rotate(x, positions)`: its position encoding, for policies that reason
+about queries at other positions (expected_attention).
 
 `__call__` is the same model with its own dense causal attention, no cache: the script
 checks that greedy tokens through the seam with the full cache equal the model's own, then
@@ -84,6 +87,10 @@ class TinyDecoder(nnx.Module):
     self.embed = nnx.Embed(c.vocab_size, c.d_model, rngs=rngs)
     self.blocks = nnx.List([Block(c, rngs) for _ in range(c.n_layers)])
     self.norm = nnx.LayerNorm(c.d_model, rngs=rngs)
+
+  def rotate(self, x, positions):
+    """The optional part of the seam: the RoPE `run` applies to q and k."""
+    return rope(x, positions)
 
   def run(self, tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None):
     """The kvjax seam: attention is `attend`'s job (here: kvjax's paged cache)."""

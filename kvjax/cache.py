@@ -5,6 +5,9 @@ and per-slot arrays that the cache and the policies declare.
   slots             {name: [P, S]} per-slot arrays declared by `Slot`s: the cache's own
                                   (position, protected, segment) and the policy's (e.g. score)
   pages             PageTable     page table [L, B, H, M], lengths [L, B, H], free stack, status
+  extra             {name: array} a policy's state that is not per token (e.g. running
+                                  statistics of the queries, `Policy.init_extra`); eviction
+                                  leaves it alone
 
 Sequences own exactly their first ceil(length / S) page-table entries. The null page
 keeps every gather in range: unused entries point at it and are masked by `length`.
@@ -92,6 +95,8 @@ class PagedKVCache:
   pages: PageTable
   config: CacheConfig = struct.field(pytree_node=False)
   slot_specs: tuple[Slot, ...] = struct.field(pytree_node=False, default=CACHE_SLOTS)
+  # A policy's state that is not per token (`Policy.init_extra`): any arrays, e.g. [L, B, ...].
+  extra: dict[str, Array] = struct.field(default_factory=dict)
 
   # Read-only shortcuts into the page table; updates go through `pages.replace`.
   @property
@@ -119,6 +124,16 @@ class PagedKVCache:
     for name in arrays:
       self.slot(name)
     return self.replace(slots={**self.slots, **arrays})
+
+  def with_extra(self, **arrays: Array) -> "PagedKVCache":
+    """The cache with some of its declared `extra` arrays replaced; KeyError naming them."""
+    for name in arrays:
+      if name not in self.extra:
+        raise KeyError(
+            f"the cache has no extra state {name!r}; declared: {', '.join(self.extra) or 'none'}"
+            " (a policy declares it in `Policy.init_extra`)"
+        )
+    return self.replace(extra={**self.extra, **arrays})
 
   @property
   def num_layers(self) -> int:
@@ -168,11 +183,13 @@ def init_cache(
     *,
     chunk: int = 1,
     slots: tuple[Slot, ...] = (),
+    extra: dict[str, Array] | None = None,
 ) -> PagedKVCache:
   """An empty cache whose pool fits every sequence appending `chunk` tokens at a time.
 
   `slots` declares per-slot arrays beyond the cache's own (`CACHE_SLOTS`), e.g. a policy's
-  score history."""
+  score history; `extra` holds a policy's initial state that is not per token
+  (`Policy.init_extra`)."""
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
   for name, value in [
@@ -184,6 +201,9 @@ def init_cache(
   ]:
     _check_int(name, value)
   slot_specs = _merge_slots(CACHE_SLOTS, tuple(slots))
+  extra = {} if extra is None else extra
+  if not isinstance(extra, dict) or not all(isinstance(name, str) for name in extra):
+    raise TypeError(f"extra must be a dict of named arrays, got {type(extra).__name__}")
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts:
@@ -199,7 +219,13 @@ def init_cache(
       num_pages, config.page_size, head_dim, config.dtype, slot_specs, table_shape
   )
   return PagedKVCache(
-      k_pages=k, v_pages=v, slots=slots, pages=pages, config=config, slot_specs=slot_specs
+      k_pages=k,
+      v_pages=v,
+      slots=slots,
+      pages=pages,
+      config=config,
+      slot_specs=slot_specs,
+      extra={name: jnp.asarray(x) for name, x in extra.items()},
   )
 
 

@@ -2,7 +2,8 @@
 
 A policy is a frozen dataclass (hashable, so jitted code specialises on it) that declares
 the per-token state it keeps (`slots`: name, dtype, empty value; the cache allocates them and
-eviction moves them with K/V) and has up to four hooks, all pure functions of the cache:
+eviction moves them with K/V), any state that is not per token (`init_extra`, kept in
+`cache.extra`), and has up to four hooks, all pure functions of the cache:
 
   observe(cache, stats)        after each layer's attention: update the score history
   observe_layer(cache, ...)    after each layer: per-token signals from hidden states
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
@@ -43,6 +45,10 @@ class AttentionStats:
   num_new: Int[Array, " B"]
   lse: Float[Array, "B T Hq"] | None = None  # per-query-head log-sum-exp, if asked for
   impl: str = "auto"  # the model's attention_impl, for policies that call kernels
+  positions: Int[Array, "B T"] | None = None  # the chunk's token positions
+  # The model's position encoding, `rotate(x [B, T, H, D], positions [B, T])`, None when the
+  # model does not expose it (an optional part of the seam, see kvjax.seam).
+  rotate: Callable[[Array, Array], Array] | None = None
 
 
 SCORE = Slot("score", "float32", 0.0)  # a policy's running per-token score
@@ -119,10 +125,20 @@ class Policy:
   query_agnostic: ClassVar[bool] = False
   # Scores come from the model repeating the context after it (KVzip), not from reading it.
   reconstructs: ClassVar[bool] = False
+  # Keeps state that is not per token in `cache.extra` (`init_extra`).
+  keeps_extra: ClassVar[bool] = False
 
   def check_model(self, model) -> None:
     """Raises ValueError when this policy cannot score `model` (e.g. a scorer trained for
     another model). Called by `kvjax.prefill` before any work."""
+
+  def init_extra(
+      self, num_layers: int, batch: int, num_kv_heads: int, num_query_heads: int, head_dim: int
+  ) -> dict[str, Array]:
+    """The initial state this policy keeps beside the cache that is not per token (arrays by
+    name, e.g. statistics per layer and row), when `keeps_extra`: the session puts it in
+    `cache.extra`, every cache operation carries it, eviction leaves it alone."""
+    return {}
 
   def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
     return cache
@@ -169,6 +185,20 @@ class AttentionHistory(Policy):
     history = read_layer(cache, "score", stats.layer)
     updated = S.accumulate_history(history, stats.probs.sum(axis=2), self.decay)
     return write_layer(cache, "score", stats.layer, updated)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanAttention(AttentionHistory):
+  """h2o's history divided by the number of queries that could see each key: the plain sum
+  favours early tokens, which every later query saw."""
+
+  name: ClassVar[str] = "h2o_mean"
+
+  def scores(self, cache, key):
+    history = logical_view(cache, cache.slot(SCORE.name))  # [L, B, H, N]
+    position = logical_view(cache, cache.slot("position"))
+    newest = jnp.where(valid_mask(cache), position, -1).max(-1, keepdims=True)
+    return history / jnp.maximum(newest - position + 1, 1).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +412,100 @@ class Learned(Policy):
     return write_new_tokens(cache, "score", layer, self.scorer.predict(hidden_in, layer), num_new)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(Policy):
+  """Expected Attention (Devoto et al., 2025; kvpress' ExpectedAttentionPress),
+  query-agnostic: the attention future queries are expected to pay each key, estimated from
+  the distribution of the context's own queries.
+
+  While the context is read, each layer keeps the running mean and covariance of every query
+  head's queries before RoPE (the first `sink` positions left out: attention sinks ask
+  atypical questions), in `cache.extra`. The queries of the `n_future` positions after the
+  context are modelled as q = R_p q0 with q0 ~ N(mu, Sigma); averaging the rotation over
+  those positions (Rbar) gives mu' = Rbar mu and Sigma' = Rbar Sigma Rbar^T, to compare with
+  the cached keys, already rotated (q_p . k_j = (R_p q0) . (R_j k0)). A key's score is the
+  softmax over its sequence of the expected logit `kvjax.scores.expected_attention`,
+  averaged over the query heads of its kv head, times ||v_j|| (`use_vnorm`).
+
+  Scores are recomputed from the statistics so far after each chunk (for every live key of
+  the layer), so after the last chunk they reflect the whole context. Needs the model's
+  position encoding: the optional seam method `model.rotate(x, positions)`."""
+
+  name: ClassVar[str] = "expected_attention"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
+  query_agnostic: ClassVar[bool] = True
+  keeps_extra: ClassVar[bool] = True
+  n_future: int = 512  # future query positions the rotation is averaged over
+  use_covariance: bool = True  # the k^T Sigma' k / 2D term; False: the mean query only
+  use_vnorm: bool = True  # weigh each key's expected attention by ||v_j||
+
+  def __post_init__(self):
+    if isinstance(self.n_future, bool) or not isinstance(self.n_future, int) or self.n_future < 1:
+      raise ValueError(f"n_future must be an int >= 1, got {self.n_future!r}")
+    for name in ("use_covariance", "use_vnorm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+  def check_model(self, model):
+    if not callable(getattr(model, "rotate", None)):
+      raise ValueError(
+          f"policy {self.name!r} needs the model's position encoding: "
+          f"{type(model).__name__} has no `rotate(x, positions)` method (an optional part of "
+          "the seam, see docs/integration.md)"
+      )
+
+  def init_extra(self, num_layers, batch, num_kv_heads, num_query_heads, head_dim):
+    # Host-made zeros: device transfers, no eager op to compile.
+    zeros = lambda *shape: np.zeros((num_layers, batch, *shape), np.float32)  # noqa: E731
+    extra = {"query_count": zeros(), "query_mean": zeros(num_query_heads, head_dim)}
+    if self.use_covariance:
+      extra["query_m2"] = zeros(num_query_heads, head_dim, head_dim)
+    return extra
+
+  def observe(self, cache, stats):
+    if stats.rotate is None or stats.positions is None:
+      raise ValueError(
+          f"policy {self.name!r} needs the chunk's positions and the model's `rotate` in "
+          "AttentionStats (kvjax.seam.forward passes them for a model with `rotate`)"
+      )
+    layer, extra = stats.layer, cache.extra
+    b, t, _, d = stats.q.shape
+    live = (jnp.arange(t) < stats.num_new[:, None]) & (stats.positions >= cache.config.sink)
+    # RoPE undone: a query's content, the same whatever position asks it.
+    unrotated = stats.rotate(stats.q.astype(jnp.float32), -stats.positions)  # [B, T, Hq, D]
+    m2 = extra["query_m2"][layer] if self.use_covariance else None
+    count, mean, m2 = S.merge_moments(
+        extra["query_count"][layer], extra["query_mean"][layer], m2, unrotated, live
+    )
+    updated = {
+        "query_count": extra["query_count"].at[layer].set(count),
+        "query_mean": extra["query_mean"].at[layer].set(mean),
+    }
+    if self.use_covariance:
+      updated["query_m2"] = extra["query_m2"].at[layer].set(m2)
+    cache = cache.with_extra(**updated)
+    # Future queries start right after the row's last token read so far.
+    last = jnp.maximum(stats.num_new - 1, 0)
+    after = stats.positions[jnp.arange(b), last] + 1  # [B]
+    rbar = S.mean_rotation(stats.rotate, after, self.n_future, d)  # [B, D, D]
+    future_mean = jnp.einsum("bij,bhj->bhi", rbar, mean)
+    future_cov = None
+    if self.use_covariance:
+      cov = m2 / jnp.maximum(count, 1.0)[:, None, None, None]  # [B, Hq, D, D]
+      future_cov = jnp.einsum("bij,bhjk,blk->bhil", rbar, cov, rbar)
+    values = logical_view(cache, cache.v_pages, layer) if self.use_vnorm else None
+    score = S.expected_attention(
+        logical_view(cache, cache.k_pages, layer),
+        future_mean,
+        future_cov,
+        valid_mask(cache, layer),
+        values,
+    )
+    # A row with nothing new in this chunk keeps the scores it has.
+    score = jnp.where((stats.num_new > 0)[:, None, None], score, read_layer(cache, "score", layer))
+    return write_layer(cache, "score", layer, score)
+
+
 POLICIES: dict[str, type[Policy]] = {}
 
 
@@ -395,6 +519,7 @@ for _cls in (
     Full,
     Streaming,
     AttentionHistory,
+    MeanAttention,
     GroupHistory,
     Tova,
     SnapKV,
@@ -404,6 +529,7 @@ for _cls in (
     InfoAware,
     KVzip,
     Learned,
+    ExpectedAttention,
 ):
   register(_cls)
 
@@ -486,20 +612,23 @@ def head_budgets(
   ranked = jnp.where(keep, jnp.inf, jnp.where(valid, scores, -jnp.inf))
   if sharing == "layer":
     if floor > 0:  # each head's own best `floor` share counts in first
-      per_head = jnp.sort(ranked, axis=-1)[..., ::-1]  # [L, B, H, N] descending
-      k = jnp.clip((floor * layer_budget).astype(jnp.int32), 1, n)[:, None, None, None]
-      head_cut = jnp.take_along_axis(per_head, jnp.broadcast_to(k - 1, (l, b, h, 1)), -1)
-      ranked = jnp.where(valid & (ranked >= head_cut), jnp.inf, ranked)
-    flat = jnp.sort(ranked.reshape(l, b, h * n), axis=-1)[..., ::-1]  # [L, B, H*N]
-    k = jnp.clip(layer_budget * h, 1, h * n)[:, None, None]  # [L, 1, 1]
-    cutoff = jnp.take_along_axis(flat, k - 1, axis=-1)[..., None]  # [L, B, 1, 1]
+      k = jnp.clip((floor * layer_budget).astype(jnp.int32), 1, n)[:, None, None]  # [L, 1, 1]
+      ranked = jnp.where(valid & _best(ranked, k), jnp.inf, ranked)
+    kept = _best(ranked.reshape(l, b, h * n), (layer_budget * h)[:, None]).reshape(l, b, h, n)
   elif sharing == "global":
-    per_row = jnp.sort(ranked.transpose(1, 0, 2, 3).reshape(b, l * h * n), axis=-1)[:, ::-1]
-    k = jnp.clip(layer_budget.sum() * h, 1, l * h * n)
-    cutoff = per_row[:, k - 1][None, :, None, None]  # [1, B, 1, 1]
+    per_row = ranked.transpose(1, 0, 2, 3).reshape(b, l * h * n)
+    kept = _best(per_row, layer_budget.sum() * h).reshape(b, l, h, n).transpose(1, 0, 2, 3)
   else:
     raise ValueError(f"sharing must be one of {HEAD_BUDGETS}, got {sharing!r}")
-  return ((ranked >= cutoff) & valid).sum(-1).astype(jnp.int32)
+  return ((kept | keep) & valid).sum(-1).astype(jnp.int32)
+
+
+def _best(x: Float[Array, "... M"], k) -> Bool[Array, "... M"]:
+  """The `k` largest entries of each row of x (k broadcast to x.shape[:-1]); ties go to
+  the earlier index, so exactly k are chosen and a tie never passes the budget."""
+  order = jnp.argsort(-x, axis=-1, stable=True)
+  rank = jnp.argsort(order, axis=-1)  # each entry's place in the descending order
+  return rank < jnp.asarray(k)[..., None]
 
 
 def fair_scores(scores: Float[Array, "L B H N"], segment, valid) -> Float[Array, "L B H N"]:

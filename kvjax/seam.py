@@ -11,6 +11,12 @@ A model is compressible when it has
       after_layer(kv_state, layer, h_in [B, T, d], h_out [B, T, d]) -> kv_state   (optional)
       returns (logits [B, T, V] float32, or [B, V] at token index logits_at[b], kv_state)
 
+and, optionally (policies that reason about queries at other positions need it, e.g.
+expected_attention),
+
+  model.rotate(x [B, T, H, D], positions [B, T]) -> x position-encoded at `positions`
+      the same linear map `run` applies to q and k (RoPE); rotate(x, -p) undoes rotate(x, p)
+
 The model knows nothing of pages or policies: kvjax's `attend` appends K/V to the paged cache,
 runs paged attention and feeds the policy; `after_layer` lets a policy read hidden states.
 `docs/integration.md` walks through it; `examples/custom_model.py` is a model written from
@@ -71,6 +77,24 @@ class ModelShape:
     return cls(**values, dtype=jnp.dtype(floats[0] if floats else jnp.float32).name)
 
 
+def query_heads(model) -> int:
+  """Hq, the query heads of the q that `model.run` hands `attend`: read from one abstract
+  call on one token (shapes only: nothing is computed or compiled)."""
+  graphdef, state = nnx.split(model)
+  seen = []
+
+  def attend(q, k, v, kv_state, layer):
+    seen.append(q.shape[2])
+    return q, kv_state
+
+  def run(state):
+    one = jnp.zeros((1, 1), jnp.int32)
+    return nnx.merge(graphdef, state).run(one, one, None, attend)[0]
+
+  jax.eval_shape(run, state)
+  return seen[0]
+
+
 def forward(
     model,
     tokens: Int[Array, "B T"],
@@ -120,7 +144,16 @@ def forward(
         probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
       lse = lse[0] if lse else None
       stats = AttentionStats(
-          jnp.asarray(layer), q, out, probs, head_probs, num_new, lse, attention_impl
+          jnp.asarray(layer),
+          q,
+          out,
+          probs,
+          head_probs,
+          num_new,
+          lse,
+          attention_impl,
+          positions=positions,
+          rotate=getattr(model, "rotate", None),
       )
       cache = policy.observe(cache, stats)
     return out, cache

@@ -39,7 +39,7 @@ from kvjax.eviction import evict, protection_mask
 from kvjax.eviction import truncate as _truncate_cache
 from kvjax.policies import head_budgets
 from kvjax.prompts import EncodedPrompts, encode_prompts
-from kvjax.seam import ModelShape, forward
+from kvjax.seam import ModelShape, forward, query_heads
 from kvjax.spec import CachePlan, CompressionSpec
 
 
@@ -304,13 +304,13 @@ def prefill(
 def context_scores(
     model, prompts, spec: CompressionSpec, *, tokenizer=None, chat: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-  """What a policy that compresses the context once (kvzip, learned) thinks of every token
-  of `prompts` before it evicts anything: scores [L, B, H, N] in logical order (token n of
-  row b at index n) and the mask of live tokens [L, B, H, N]."""
-  if not isinstance(spec, CompressionSpec) or not spec.policy.query_agnostic:
+  """What a policy that compresses the context once (kvzip, learned, expected_attention)
+  thinks of every token of `prompts` before it evicts anything: scores [L, B, H, N] in
+  logical order (token n of row b at index n) and the mask of live tokens [L, B, H, N]."""
+  if not isinstance(spec, CompressionSpec) or not spec.once:
     raise ValueError(
         "context_scores needs a CompressionSpec whose policy compresses the context once "
-        f"(e.g. kvzip, learned), got {spec!r}"
+        f"(e.g. kvzip, learned, expected_attention), got {spec!r}"
     )
   state, encoded, shape, _ = _begin(model, prompts, spec, tokenizer, chat, 0, 0, None)
   cache = _read_and_score(model, state, encoded, tokenizer, shape).cache
@@ -455,7 +455,12 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
   reserve = min(reserve, shape.max_context - longest)
   batch = len(encoded.ids)
   plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve)
-  slots = () if plan.eviction is None else plan.eviction.policy.slots
+  policy = _policy(plan)
+  extra = {}
+  if policy is not None and policy.keeps_extra:  # only then: Hq costs an abstract model call
+    extra = policy.init_extra(
+        shape.n_layers, batch, shape.n_kv_heads, query_heads(model), shape.head_dim
+    )
   cache = init_cache(
       plan.config,
       shape.n_layers,
@@ -463,7 +468,8 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
       shape.n_kv_heads,
       shape.head_dim,
       chunk=plan.chunk,
-      slots=slots,
+      slots=() if policy is None else policy.slots,
+      extra=extra,
   )
   # Host-made arrays: device transfers, no eager op to compile on a first call. The
   # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
@@ -621,10 +627,19 @@ def _compress(state: State, reserve: int) -> State:
   plan = state.plan
   spec = plan.spec
   threshold = jnp.float32(spec.threshold if spec.auto else 0.0)  # traced: no recompile
-  cache = _evict_once(state.cache, threshold, sharing=spec.sharing, auto=spec.auto, impl=plan.impl)
+  cache = _evict_once(
+      state.cache,
+      threshold,
+      jax.random.fold_in(state.key, 2),
+      policy=plan.eviction.policy,
+      sharing=spec.sharing,
+      auto=spec.auto,
+      impl=plan.impl,
+  )
   check_status(cache)
-  cache = _compact_pool(cache, reserve)
-  # The context is compressed once: later tokens are kept (no observation, no eviction).
+  # The context is compressed once: later tokens are kept (no observation, no eviction), so
+  # the policy's state that is not per token is dropped with its memory.
+  cache = _compact_pool(cache, reserve).replace(extra={})
   compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
   peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
@@ -647,24 +662,28 @@ def _reconstruct(
   # Each pass repeats one chunk after the whole context, then the repeated tokens are
   # dropped again: memory peaks at the context + one chunk, and scores accumulate (max).
   context_length = jnp.copy(state.cache.length)
-  logits, position = state.logits, state.position
+  logits, position, plan = state.logits, state.position, state.plan
   cache = state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
-  state = state.replace(cache=cache)
+  # One step per pass (the pass length rounded up to a page): prefill-sized steps would pad
+  # a 512 + prompt pass to three 256-token chunks, a third of them padding.
+  ps = plan.config.page_size
+  step = min(-(-(chunk + len(prompt)) // ps) * ps, plan.config.max_tokens - longest)
+  state = state.replace(cache=cache, plan=dataclasses.replace(plan, chunk=max(step, 1)))
   for start in range(0, longest, chunk):
     piece = [prompt + row[start : start + chunk] for row in encoded.ids]
     piece = EncodedPrompts(piece, [[False] * len(r) for r in piece], [[0] * len(r) for r in piece])
     state = _prefill(model, state, piece, jax.random.fold_in(state.key, start))
     state = state.replace(cache=_truncate(state.cache, context_length), position=position)
-  return state.replace(logits=logits)
+  return state.replace(logits=logits, plan=plan)
 
 
 _truncate = jax.jit(_truncate_cache)
 
 
-@partial(jax.jit, static_argnames=("sharing", "auto", "impl"))
-def _evict_once(cache: PagedKVCache, threshold, *, sharing: str, auto: bool, impl: str):
+@partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl"))
+def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl):
   """Every sequence evicted to its share of the scored context (`policies.head_budgets`)."""
-  ranked = logical_view(cache, cache.slot("score"))
+  ranked = policy.scores(cache, key)
   counts = head_budgets(
       ranked,
       protection_mask(cache),

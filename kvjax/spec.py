@@ -25,7 +25,11 @@ from kvjax.policies import (
 
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
-AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given
+AUTO_RECENT = 64
+COMPRESS_MODES = (
+    "running",
+    "once",
+)  # the recent window of budget="auto" when `recent` is not given
 KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,6 +59,13 @@ class CompressionSpec:
   )
   budget_schedule: str = _field(
       "uniform", "per-layer budgets with the same mean", choices=BUDGET_SCHEDULES
+  )
+  compress: str | None = _field(
+      None,
+      "'running': evict while the prompt is read and during decoding; 'once': read the whole "
+      "context, then keep the best tokens by one ranking (head_budget) and decode without "
+      "eviction; default per policy ('once' for kvzip, learned, expected_attention)",
+      choices=COMPRESS_MODES,
   )
   head_budget: str | None = _field(
       None,
@@ -117,6 +128,13 @@ class CompressionSpec:
     ):
       if getattr(self, name) not in choices:
         fail(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if self.compress is not None and self.compress not in COMPRESS_MODES:
+      fail(f"compress must be one of {COMPRESS_MODES} or None, got {self.compress!r}")
+    if self.compress == "running" and self.policy.query_agnostic:
+      fail(
+          f"policy {self.policy.name!r} scores a whole context at once: compress='running' "
+          "does not apply"
+      )
     if self.head_budget is not None and self.head_budget not in HEAD_BUDGETS:
       fail(f"head_budget must be one of {HEAD_BUDGETS} or None, got {self.head_budget!r}")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
@@ -134,11 +152,11 @@ class CompressionSpec:
     if budget is None:
       fail(f"policy {self.policy.name!r} evicts to a budget: give budget= (tokens or a fraction)")
     if budget == AUTO:
-      if not self.policy.query_agnostic:
+      if not self.once:
         fail(
             f"budget='auto' keeps what scores above a threshold once the context is scored: "
-            f"policy {self.policy.name!r} evicts while it reads; use kvzip, learned or "
-            "expected_attention"
+            f"policy {self.policy.name!r} evicts while it reads; use compress='once' or "
+            "kvzip, learned, expected_attention"
         )
       if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
         fail(f"budget='auto' needs threshold= (a number), got {self.threshold!r}")
@@ -158,7 +176,7 @@ class CompressionSpec:
           f"head_budget={self.head_budget!r} needs token eviction (group_size=1): block "
           "eviction cannot share a budget across heads at page granularity"
       )
-    if self.policy.query_agnostic:
+    if self.once:
       for name, plain in (("budget_schedule", "uniform"), ("fair", False)):
         if getattr(self, name) != plain:
           fail(
@@ -170,8 +188,7 @@ class CompressionSpec:
     elif self.head_budget == "global":
       fail(
           f"head_budget='global' ranks a whole scored context at once: policy "
-          f"{self.policy.name!r} evicts while it reads; use 'layer', or a policy that "
-          "compresses the context once (kvzip, learned, expected_attention)"
+          f"{self.policy.name!r} evicts while it reads; add compress='once', or use 'layer'"
       )
     if _is_int(budget):
       self._check_budget(int(budget), f"budget={budget}")
@@ -190,7 +207,14 @@ class CompressionSpec:
     """How the budget is shared across layers and heads (`head_budget` or its default)."""
     if self.head_budget is not None:
       return self.head_budget
-    return "global" if self.policy.query_agnostic else "uniform"
+    return "global" if self.once else "uniform"
+
+  @property
+  def once(self) -> bool:
+    """The context is read whole, then compressed once (`compress` or the policy's default)."""
+    if self.compress is not None:
+      return self.compress == "once" and self.evicts
+    return self.policy.query_agnostic
 
   @property
   def group(self) -> int:
@@ -282,7 +306,7 @@ class CompressionSpec:
         group_reduce=self.group_reduce,
         dtype=dtype,
     )
-    if self.policy.query_agnostic:
+    if self.once:
       # The whole context is prefilled before it is scored: the pool holds all of it, and
       # the session compacts it once the context is compressed.
       # Room after the context for one reconstruction pass (a chunk and its prompt).
@@ -338,7 +362,7 @@ class CachePlan:
   @property
   def compresses_after_prefill(self) -> bool:
     """A query-agnostic policy whose context is still to be scored and compressed."""
-    return self.eviction is not None and self.eviction.policy.query_agnostic
+    return self.eviction is not None and self.spec.once
 
 
 def _is_int(x) -> bool:

@@ -51,9 +51,10 @@ class ByteTokenizer:
     return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
 
 
-def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0):
+def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0):
   """A random GQA Llama (d_model 32, 4 query / 2 kv heads, head_dim 8) for tests; weights
-  from numpy, so building one compiles nothing."""
+  from numpy, so building one compiles nothing. Its attention is near uniform (logits near
+  0); `qk_scale` (e.g. 20) scales the q and k weights so that it is not."""
   from models import ModelConfig
   from models.llama import Llama
 
@@ -73,4 +74,28 @@ def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0):
       name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
       for name, shape in config.param_shapes().items()
   }
+  for name in params:
+    if name.endswith((".wq", ".wk")):
+      params[name] = params[name] * qk_scale
   return Llama.from_params(config, params)
+
+
+def assert_compressed_once(state, context_length: int, *, row: int = 0) -> None:
+  """A context compressed once under a shared budget: the row holds exactly its L x H x
+  budget tokens (ties go to the earlier token), its sequences keep different amounts, the
+  sink and recent tokens of every sequence survive, and later tokens are not evicted."""
+  from kvjax.cache import read_sequence
+
+  spec, cache = state.spec, state.cache
+  assert_cache_invariants(cache)
+  lengths = np.asarray(cache.length)[:, row]  # [L, H]
+  budget = spec.budget_tokens(context_length)
+  assert lengths.sum() == budget * lengths.size, (lengths.sum(), budget * lengths.size)
+  assert len(set(lengths.ravel().tolist())) > 1, "a shared ranking: uneven sequences"
+  recent = spec.recent_tokens(budget)
+  must_keep = {*range(spec.sink), *range(context_length - recent, context_length)}
+  for layer in range(lengths.shape[0]):
+    for head in range(lengths.shape[1]):
+      kept = set(read_sequence(cache, layer, row, head)[2].tolist())
+      assert must_keep <= kept, (layer, head, sorted(must_keep - kept))
+  assert state.plan.eviction is None  # compressed once: later tokens are kept

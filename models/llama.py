@@ -132,6 +132,11 @@ class Llama(nnx.Module):
     )
     return model
 
+  def rotate(self, x: Float[Array, "B T H D"], positions: Int[Array, "B T"]) -> Array:
+    """x rotated by RoPE at `positions`, as `run` rotates q and k; a negative position undoes
+    the rotation at the opposite one (the seam's optional `rotate`)."""
+    return apply_rope(x, positions, self.inv_freq[...])
+
   def run(
       self,
       tokens: Int[Array, "B T"],

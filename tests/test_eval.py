@@ -260,13 +260,23 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
   kwargs = dict(context_tokens=96, continuation_tokens=8, windows=2, references=references)
   full = E.windowed_fidelity(model, tokenizer, text_ids, **kwargs)
   assert full["kl"] == 0.0 and full["top1"] == 1.0 and full["ppl"] == full["ppl_full"]
+  assert full["kept_fraction"] == 1.0
   assert len(references) == 2 and full["cases"] == 2 and full["failed"] == 0
   spec = kvjax.CompressionSpec(policy="tova", budget=32)
   squeezed = E.windowed_fidelity(model, tokenizer, text_ids, spec=spec, **kwargs)
   assert len(references) == 2  # the full cache ran once per window
   assert squeezed["kl"] > 0.0 and squeezed["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
+  assert squeezed["kept_fraction"] <= (32 + 16) / 96  # the budget plus the eviction margin
   ppl = E.perplexity(model, tokenizer, text_ids, **kwargs)
-  assert set(ppl) == {"ppl", "ppl_full", "peak_kv_bytes", "cases", "failed", "errors"}
+  assert set(ppl) == {
+      "ppl",
+      "ppl_full",
+      "kept_fraction",
+      "peak_kv_bytes",
+      "cases",
+      "failed",
+      "errors",
+  }
   with pytest.raises(
       ValueError,
       match=r"too short for 3 window.s. of 96 context \+ 8 continuation tokens .312 needed",

@@ -9,7 +9,7 @@ import kvjax
 from kvjax import cli, policies, training
 from kvjax.scorer import Scorer, model_fingerprint
 from kvjax.session import context_scores
-from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 
 TEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 40
 
@@ -161,3 +161,31 @@ def test_train_scorer_command_checks_its_options_before_loading(capsys):
   assert "windows must be an int >= 2" in capsys.readouterr().err
   assert cli.main(["train-scorer", "--held-out", "1.5", "--quiet"]) == 2
   assert "held_out must be a fraction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["h2o", "h2o_mean", "snapkv", "knorm"])
+def test_any_token_policy_can_compress_once_with_a_global_budget(name):
+  model, tokenizer = tiny_llama(max_context=1024, n_layers=2, qk_scale=20.0), ByteTokenizer()
+  ids = tokenizer.encode(TEXT[:600])
+  n = len(ids)
+  spec = kvjax.CompressionSpec(policy=name, budget=0.25, compress="once", recent=8)
+  assert spec.sharing == "global"
+  state = kvjax.prefill(model, [ids], spec, reserve=8)
+  assert_compressed_once(state, n)
+  lengths = np.asarray(state.cache.length)[:, 0]
+  sequences = lengths.size
+  state, result = kvjax.decode(model, state, 4)
+  assert (
+      len(result.tokens[0]) == 4 and int(state.cache.length.sum()) == lengths.sum() + 4 * sequences
+  )
+
+
+def test_compress_modes_are_checked():
+  with pytest.raises(ValueError, match="compress='running' does not apply"):
+    kvjax.CompressionSpec(policy="kvzip", budget=0.25, compress="running")
+  with pytest.raises(ValueError, match="add compress='once'"):
+    kvjax.CompressionSpec(policy="h2o", budget=64, head_budget="global", group_size=1)
+  with pytest.raises(ValueError, match="compress must be one of"):
+    kvjax.CompressionSpec(policy="h2o", budget=64, compress="sometimes")
+  spec = kvjax.CompressionSpec(policy="h2o", budget="auto", threshold=0.5, compress="once")
+  assert spec.auto and spec.once

@@ -19,6 +19,8 @@ from models import load_llama
 EVICTING = [name for name in policies.POLICIES if name != "full"]
 # Policies that evict during prefill (kvzip scores the whole context first: tests/test_kvzip.py).
 STREAMING = [name for name in EVICTING if not policies.POLICIES[name].query_agnostic]
+# `learned` scores a model only with a scorer trained for it (tests/test_learned.py).
+ANY_MODEL = [name for name in EVICTING if name != "learned"]
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +135,11 @@ TOKEN_CFG = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=8, sink=1, rece
 BLOCK_CFG = kvjax.CacheConfig(page_size=4, max_tokens=48, budget=12, sink=2, recent=3)
 
 
-def _cache(cfg, n=N_TOKENS, heads=1, d=4, k=None, v=None, protected=None):
-  """One layer and row of `heads` kv heads holding positions 0..n-1 (K = V = position)."""
-  cache = kvjax.init_cache(cfg, 1, 1, heads, d, chunk=n, slots=(policies.SCORE, policies.INFO))
+def _cache(cfg, n=N_TOKENS, heads=1, d=4, k=None, v=None, protected=None, extra=None):
+  """One layer and row of `heads` kv heads holding positions 0..n-1 (K = V = position);
+  `extra`: a policy's state that is not per token."""
+  slots = (policies.SCORE, policies.INFO)
+  cache = kvjax.init_cache(cfg, 1, 1, heads, d, chunk=n, slots=slots, extra=extra)
   fill = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[:, None, None], (n, heads, d))
   k = fill if k is None else jnp.broadcast_to(jnp.asarray(k, jnp.float32)[:, None], (n, heads, d))
   v = fill if v is None else jnp.broadcast_to(jnp.asarray(v, jnp.float32)[:, None], (n, heads, d))
@@ -149,12 +153,14 @@ def _kept(cache, head=0, layer=0, row=0):
 
 
 def _stats(cache, probs, head_probs=None, out=None):
-  """AttentionStats of layer 0 for hand-made probs [Hkv, T, N] of one row."""
+  """AttentionStats of layer 0 for hand-made probs [Hkv, T, N] of one row: T queries, the
+  last T tokens of the cache, of a model without position encoding."""
   probs = jnp.asarray(probs, jnp.float32)[None]
   _, hkv, t, _ = probs.shape
   hq = hkv if head_probs is None else jnp.shape(head_probs)[0]
   d = cache.head_dim
   out = jnp.zeros((1, t, hq, d)) if out is None else jnp.asarray(out, jnp.float32)[None]
+  length = int(cache.length.max())
   return AttentionStats(
       layer=jnp.int32(0),
       q=jnp.zeros((1, t, hq, d)),
@@ -162,6 +168,8 @@ def _stats(cache, probs, head_probs=None, out=None):
       probs=probs,
       head_probs=None if head_probs is None else jnp.asarray(head_probs, jnp.float32)[None],
       num_new=jnp.array([t], jnp.int32),
+      positions=jnp.arange(length - t, length)[None],
+      rotate=lambda x, positions: x,
   )
 
 
@@ -223,6 +231,24 @@ def test_h2o_decay_forgets_old_attention():
     cache = policy.observe(cache, _stats(cache, first))
     cache = policy.observe(cache, _stats(cache, second))
     assert _kept(_evict(policy, cache)) == kept, decay
+
+
+def test_h2o_mean_divides_the_history_by_the_queries_that_saw_each_key():
+  # 16 tokens at positions 0..15: key i was seen by 16 - i queries.
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=3, sink=1, recent=1, group_size=1)
+  probs = np.zeros((1, 1, 32), np.float32)
+  probs[0, 0, 2] = 2.8  # seen by 14 queries: mean 0.2
+  probs[0, 0, 12] = 1.0  # seen by 4 queries: mean 0.25
+  cache = _cache(cfg)
+  for policy, kept in (
+      (policies.AttentionHistory(), [0, 2, 15]),
+      (policies.MeanAttention(), [0, 12, 15]),
+  ):
+    observed = policy.observe(cache, _stats(cache, probs))
+    scores = np.asarray(policy.scores(observed, jax.random.key(0)))[0, 0, 0, :16]
+    if isinstance(policy, policies.MeanAttention):
+      np.testing.assert_allclose(scores[[2, 12]], [0.2, 0.25], rtol=1e-6)
+    assert _kept(_evict(policy, observed)) == kept, policy.name
 
 
 def test_group_history_keeps_the_attended_page():
@@ -401,7 +427,8 @@ def test_every_policy_keeps_protected_tokens_of_a_hand_made_cache(name):
   cfg, n = (TOKEN_CFG, N_TOKENS) if policy.token_level else (BLOCK_CFG, 24)
   protected = np.zeros(n, bool)
   protected[8:12] = True
-  cache = _cache(cfg, n=n, protected=protected)
+  extra = policy.init_extra(1, 1, 1, 1, 4)  # 1 layer, row, kv head and query head; D = 4
+  cache = _cache(cfg, n=n, protected=protected, extra=extra)
   probs = np.zeros((1, 1, cfg.max_tokens), np.float32)
   probs[0, 0, [4, 13, 17]] = 1.0  # attention elsewhere
   stats = _stats(cache, probs, head_probs=probs, out=np.ones((1, 1, 4)))
@@ -443,7 +470,7 @@ def _all_kept(cache):
   return {(i, j, k): _kept(cache, k, i, j) for i in range(l) for j in range(b) for k in range(h)}
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", ANY_MODEL)
 def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
   model, tokenizer = tiny
   plan, cache, _ = _prefill(model, tokenizer, [PROMPT], name, BUDGET)
@@ -575,7 +602,7 @@ def test_per_head_prefill_splits_each_layer_budget_unevenly(tiny):
   h = model.config.n_kv_heads
   # Key norms differ between heads (on a random model attention is near uniform, so every
   # head's attention history is about the same and h2o splits evenly).
-  plan, cache, _ = _prefill(model, tokenizer, [PROMPT], "knorm", BUDGET, per_head=True)
+  plan, cache, _ = _prefill(model, tokenizer, [PROMPT], "knorm", BUDGET, head_budget="layer")
   assert plan.eviction.per_head
   length = np.asarray(cache.length)  # [L, B, H]
   assert (length[..., 0] != length[..., 1]).any(), length
@@ -598,11 +625,11 @@ def test_pyramid_per_head_generate_stays_within_its_pool(tiny):
   model, tokenizer = tiny
   c = model.config
   result = _generate_prompt(
-      model, tokenizer, policy="h2o", budget=BUDGET, budget_schedule="pyramid", per_head=True
+      model, tokenizer, policy="h2o", budget=BUDGET, budget_schedule="pyramid", head_budget="layer"
   )
   stats = result.stats
   budgets = stats["layer_budgets"]
-  assert stats["per_head"] and sum(budgets) == BUDGET * c.n_layers  # the mean is kept
+  assert stats["head_budget"] == "layer" and sum(budgets) == BUDGET * c.n_layers  # the mean is kept
   assert budgets == sorted(budgets, reverse=True) and min(budgets) >= 8  # floor: sink + recent
   page_bytes = 2 * PAGE * c.head_dim * 4
   # Per layer: H x (budget + page + chunk) tokens, plus one partial page per head.
@@ -688,8 +715,8 @@ def test_fractional_budget_outside_the_unit_interval(tiny, budget):
 
 @pytest.mark.parametrize("name, group_size", [("group_history", None), ("h2o", PAGE)])
 def test_per_head_needs_token_eviction(tiny, name, group_size):
-  with pytest.raises(ValueError, match="per_head budgets need token eviction"):
-    _plan(tiny[0], name, 16, per_head=True, group_size=group_size)
+  with pytest.raises(ValueError, match="head_budget='layer' needs token eviction"):
+    _plan(tiny[0], name, 16, head_budget="layer", group_size=group_size)
 
 
 def test_bad_budget_schedule_in_plan(tiny):
