@@ -283,6 +283,7 @@ class OutputImpact(Policy):
   needs_lse: ClassVar[bool] = True
   window: int = 8
   decay: float = 1.0
+  squared: bool = False  # sum (a/(1-a))^2 ||v - O||^2 instead (DropKV): see `DropKV`
 
   def observe(self, cache, stats):
     w = min(self.window, stats.q.shape[1])
@@ -313,6 +314,7 @@ class OutputImpact(Policy):
           seen,
           stats.out[rows, at][:, None],
           stats.lse[rows, at][:, None],
+          squared=self.squared,
           impl=stats.impl,
       )
     return impact
@@ -325,8 +327,21 @@ class OutputImpact(Policy):
     values = logical_view(cache, cache.v_pages, stats.layer)  # [B, Hkv, N, D]
     values = jnp.repeat(values, hq // hkv, axis=1)[:, :, None]  # [B, Hq, 1, N, D]
     impact = S.output_impact(probs, values, out.transpose(0, 2, 1, 3))  # [B, Hq, W, N]
+    if self.squared:
+      impact = jnp.square(impact)
     impact = jnp.einsum("bhwn,bw->bhn", impact, live_q.astype(jnp.float32))
     return impact.reshape(b, hkv, hq // hkv, -1).sum(axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class DropKV(OutputImpact):
+  """The squared output impact, accumulated: s_i += sum_h (a_hi/(1-a_hi))^2 ||v_i - O_h||^2
+  over the window's queries (DropKV, proposed for kvpress). Squared changes of a head's
+  output add up as energy across query heads, queries and layers, so one ranking across
+  heads (`head_budget='layer'` or `'global'`) compares like with like."""
+
+  name: ClassVar[str] = "dropkv"
+  squared: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,6 +541,7 @@ for _cls in (
     KeyNorm,
     Random,
     OutputImpact,
+    DropKV,
     InfoAware,
     KVzip,
     Learned,

@@ -1,4 +1,7 @@
-"""Output-impact scores over the page pool: r_i = sum_h a_hi / (1 - a_hi) * ||v_i - O_h||.
+"""Output-impact scores over the page pool: r_i = sum_h a_hi / (1 - a_hi) * ||v_i - O_h||,
+or with `squared=True` (DropKV) r_i = sum_h (a_hi / (1 - a_hi))^2 * ||v_i - O_h||^2: the
+squared change of each head's output, which adds up across query heads and queries as
+energy and so compares across heads and layers.
 
 For one decode query per sequence, r [B, Hkv, N] sums over the G = Hq / Hkv query heads h
 of a kv head the exact change of head h's output when slot i is removed and the rest
@@ -78,9 +81,10 @@ def output_impact_reference(
     *,
     scale: float | None = None,
     eps: float = DEFAULT_EPS,
+    squared: bool = False,
 ) -> Float[Array, "B Hkv N"]:
-  """r [B, Hkv, N] float32: sum over the kv head's query heads of a/(1-a) * ||v - O||,
-  a = exp(q.k * scale - lse); zero for slots at or past `lengths`."""
+  """r [B, Hkv, N] float32: sum over the kv head's query heads of a/(1-a) * ||v - O|| (its
+  square when `squared`), a = exp(q.k * scale - lse); zero for slots at or past `lengths`."""
   validate_output_impact_args(q, k_pages, v_pages, page_table, lengths, out, lse)
   b, _, hq, d = q.shape
   hkv = page_table.shape[1]
@@ -95,7 +99,8 @@ def output_impact_reference(
   lse = lse.reshape(b, hkv, g, 1).astype(jnp.float32)
   a = jnp.where(live[:, :, None], jnp.exp(jnp.where(live[:, :, None], logits, -jnp.inf) - lse), 0)
   distance = jnp.sqrt(jnp.sum(jnp.square(v[:, :, None] - o[..., None, :]), axis=-1))
-  r = (a / jnp.maximum(1.0 - a, eps) * distance).sum(axis=2)
+  impact = a / jnp.maximum(1.0 - a, eps) * distance  # [B, Hkv, G, N]
+  r = (jnp.square(impact) if squared else impact).sum(axis=2)
   return jnp.where(live, r, 0.0)
 
 
@@ -108,6 +113,7 @@ def _output_impact_kernel(
     *refs,  # K pages ppb x [S, D], V pages ppb x [S, D]; r [1, bk] f32
     scale,
     eps,
+    squared,
     **layout,  # page_size, pages_per_block, num_kv_heads
 ):
   i, live, (r_ref,), load = kernel_block(lengths_ref, q_ref, refs, scale=scale, **layout)
@@ -122,8 +128,9 @@ def _output_impact_kernel(
     r = jnp.zeros((1, v.shape[0]), jnp.float32)  # [1, bk]
     for gi in range(o.shape[0]):  # G <= a handful: unrolled
       diff = v - o[gi : gi + 1, :]  # [bk, D]
-      dist = jnp.sqrt(dot(ones, diff * diff, ((1,), (1,))))  # [1, bk], lane-dense
-      r = r + weight[gi : gi + 1, :] * dist
+      dist2 = dot(ones, diff * diff, ((1,), (1,)))  # [1, bk], lane-dense
+      w = weight[gi : gi + 1, :]
+      r = r + (w * w * dist2 if squared else w * jnp.sqrt(dist2))
     r_ref[...] = r
 
 
@@ -138,6 +145,7 @@ def output_impact_pallas(
     *,
     scale: float | None = None,
     eps: float = DEFAULT_EPS,
+    squared: bool = False,
     pages_per_block: int | None = None,
     interpret=False,
 ) -> Float[Array, "B Hkv N"]:
@@ -147,7 +155,9 @@ def output_impact_pallas(
   )
   b, hkv, g, d = p.batch, p.kv_heads, p.group, p.head_dim
   r = paged_pallas_call(
-      functools.partial(_output_impact_kernel, scale=p.scale, eps=float(eps)),
+      functools.partial(
+          _output_impact_kernel, scale=p.scale, eps=float(eps), squared=bool(squared)
+      ),
       p,
       in_specs=[head_spec(p, d), head_spec(p, d), head_spec(p, 1)],
       out_specs=live_block_spec(p, 1),
@@ -175,6 +185,7 @@ def output_impact(
     *,
     scale: float | None = None,
     eps: float = DEFAULT_EPS,
+    squared: bool = False,
     impl: str = "auto",
     interpret=None,
     pages_per_block: int | None = None,
@@ -187,7 +198,7 @@ def output_impact(
   check_page_table_range(page_table, k_pages.shape[0])
   if not use_pallas:
     return output_impact_reference(
-        q, k_pages, v_pages, page_table, lengths, out, lse, scale=scale, eps=eps
+        q, k_pages, v_pages, page_table, lengths, out, lse, scale=scale, eps=eps, squared=squared
     )
   check_float_dtypes(q=q, k_pages=k_pages, v_pages=v_pages, out=out)
   return output_impact_pallas(
@@ -200,6 +211,7 @@ def output_impact(
       lse,
       scale=scale,
       eps=eps,
+      squared=squared,
       pages_per_block=pages_per_block,
       interpret=interpret,
   )

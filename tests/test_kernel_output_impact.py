@@ -24,12 +24,19 @@ def _with_attention(args):
 
 
 @pytest.mark.parametrize(kh.CASE_NAMES, kh.CASES)
-def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype, pages_per_block):
+@pytest.mark.parametrize("squared", [False, True])
+def test_kernel_matches_reference(
+    page_size, group, head_dim, length_kind, dtype, pages_per_block, squared
+):
   args = _with_attention(kh.case_problem(page_size, group, head_dim, length_kind, dtype, "oi"))
   got = kh.jitted(
-      output_impact, impl="pallas", interpret=kh.kernel_interpret(), pages_per_block=pages_per_block
+      output_impact,
+      impl="pallas",
+      interpret=kh.kernel_interpret(),
+      pages_per_block=pages_per_block,
+      squared=squared,
   )(*args)
-  want = kh.jitted(output_impact_reference)(*args)
+  want = kh.jitted(output_impact_reference, squared=squared)(*args)
   live = kh.live_slots(args)  # [B, Hkv, N]
   assert got.shape == want.shape == live.shape
   assert got.dtype == jnp.float32 and np.isfinite(got).all()
@@ -82,12 +89,20 @@ def test_hand_computed_worked_example():
       jnp.full((1, 1, 1, 1), 14.5, jnp.float32),
       jnp.zeros((1, 1, 1), jnp.float32),
   )
-  want = [4.5, 1.125, 13.5, 0.0, 0.0, 0.0]
-  np.testing.assert_allclose(output_impact_reference(*args, scale=1.0)[0, 0], want, rtol=1e-5)
-  got = output_impact(
-      *args, scale=1.0, impl="pallas", interpret=kh.kernel_interpret(), pages_per_block=1
-  )
-  np.testing.assert_allclose(got[0, 0], want, rtol=1e-5)
+  want = np.array([4.5, 1.125, 13.5, 0.0, 0.0, 0.0])
+  for squared, expected in ((False, want), (True, want**2)):  # DropKV: 20.25, 1.265625, 182.25
+    np.testing.assert_allclose(
+        output_impact_reference(*args, scale=1.0, squared=squared)[0, 0], expected, rtol=1e-5
+    )
+    got = output_impact(
+        *args,
+        scale=1.0,
+        squared=squared,
+        impl="pallas",
+        interpret=kh.kernel_interpret(),
+        pages_per_block=1,
+    )
+    np.testing.assert_allclose(got[0, 0], expected, rtol=1e-5)
 
 
 def test_generic_interpreter_and_padding_rows():

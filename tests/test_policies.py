@@ -308,7 +308,8 @@ def test_output_impact_sums_query_heads_of_a_kv_head():
 
 
 @pytest.mark.parametrize("t, impl", [(6, "ref"), (1, "ref"), (1, "pallas")])
-def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl):
+@pytest.mark.parametrize("policy", [policies.OutputImpact(window=4), policies.DropKV(window=4)])
+def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl, policy):
   """The model's path (the dispatcher on q, K, V and the attention's lse) agrees with the
   jnp specification on per-query-head probabilities, padded rows and short rows included."""
   from pallas_kernels.paged_attention import paged_attention
@@ -339,7 +340,6 @@ def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl)
   )
   probs = head_probs.reshape(b, hkv, 2, t, -1).sum(2)
   common = dict(layer=jnp.int32(0), q=q, out=out, probs=probs, num_new=num_new)
-  policy = policies.OutputImpact(window=4)
   spec = policy.observe(cache, AttentionStats(**common, head_probs=head_probs))
   kernel = policy.observe(cache, AttentionStats(**common, head_probs=None, lse=lse, impl=impl))
   want = kvjax.logical_view(spec, spec.slot("score"))
