@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib.resources
-import json
 import os
 import pathlib
 import shutil
@@ -194,8 +193,3 @@ def default_scorer() -> Scorer:
         "pass it with --scorer DIR"
     )
   return Scorer.load(path)
-
-
-def describe(scorer: Scorer) -> str:
-  """One line: what the scorer is for and how well it did on held-out text."""
-  return f"learned scorer for {scorer.model}: {json.dumps(scorer.metrics, sort_keys=True)}"

@@ -90,6 +90,7 @@ NON_DEFAULT = {
 COMPRESS_ONCE = {
     "policy": ("learned", "learned"),
     "budget": ("auto", "auto"),
+    "compress": ("once", "once"),
     "threshold": ("-4.5", -4.5),
     "scorer": (str(shipped_path()), str(shipped_path())),
 }
