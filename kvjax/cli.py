@@ -134,6 +134,7 @@ def _generate(args) -> int:
   stats = generation.result.stats
   print(
       f"[{stats['prompt_tokens'][0]} prompt + {stats['generated_tokens'][0]} generated tokens; "
+      f"{stats['kept_fraction'][0]:.0%} of the prompt's KV kept; "
       f"prefill {stats['prefill_seconds']:.2f} s; decode {stats['decode_tokens_per_s']:.1f} "
       f"tokens/s (streaming); peak KV {stats['peak_kv_bytes'] / 2**20:.1f} MiB]",
       file=sys.stderr,

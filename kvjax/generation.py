@@ -111,6 +111,9 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
   start = time.perf_counter()
   state = prefill(model, prompts, spec, tokenizer=tokenizer, chat=chat, reserve=max_new, key=key)
   lengths = np.asarray(state.position)
+  held = np.asarray(state.cache.length)  # [L, B, H] after prefill
+  # Per row: the share of its prompt's K/V entries (over layers and kv heads) still cached.
+  kept = held.sum(axis=(0, 2)) / (held.shape[0] * held.shape[2] * np.maximum(lengths, 1))
   prefill_seconds = time.perf_counter() - start
   prefill_seconds -= compile_stats()["compile_seconds"] - compiled["compile_seconds"]
   stop_tokens = tuple(tokenizer.eos_ids or ())
@@ -146,6 +149,7 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
       finish_reasons=reasons,
       stats={
           "prompt_tokens": lengths.tolist(),
+          "kept_fraction": [round(float(k), 4) for k in kept],
           "generated_tokens": generated,
           "peak_kv_bytes": state.peak_kv_bytes(),
           "final_kv_bytes": cache.kv_bytes(),

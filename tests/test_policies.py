@@ -504,6 +504,8 @@ def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
   result = _generate_prompt(model, tokenizer, policy=name, budget=BUDGET)
   stats = result.stats
   assert stats["prompt_tokens"] == [PROMPT_LEN]
+  # After prefill at most the budget and the eviction margin of the prompt are kept.
+  assert BUDGET / PROMPT_LEN <= stats["kept_fraction"][0] <= (BUDGET + PAGE) / PROMPT_LEN
   bytes_per_token = 2 * c.head_dim * 4
   bound = _peak_bound(c.n_layers, 1, c.n_kv_heads, BUDGET, PAGE, CHUNK, bytes_per_token)
   full = c.n_layers * c.n_kv_heads * PROMPT_LEN * bytes_per_token
