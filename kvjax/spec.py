@@ -226,6 +226,13 @@ class CompressionSpec:
   def replace(self, **changes) -> "CompressionSpec":
     return dataclasses.replace(self, **changes)
 
+  def full_cache(self) -> "CompressionSpec":
+    """The full cache with this spec's layout and kernels (page size, chunk, dtype, impl):
+    the policy's own options (budget, threshold, scorer, sharing, mode) are dropped."""
+    return self.replace(
+        policy="full", budget=None, threshold=None, scorer=None, head_budget=None, compress=None
+    )
+
   def to_dict(self) -> dict:
     """Plain values (the policy by name), e.g. for results files."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

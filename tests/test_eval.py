@@ -439,6 +439,7 @@ def test_validate_rejects_results_off_the_schema(model):
       (lambda r: r["rows"][0]["metrics"].pop("accuracy"), "metrics keys"),
       (lambda r: r["rows"][0]["metrics"].update(accuracy="high"), "metrics.accuracy = 'high'"),
       (lambda r: r["rows"][0].update(context_tokens=1.5), "context_tokens = 1.5"),
+      (lambda r: r["rows"][0].update(budget="most"), "budget = 'most'"),
   ]:
     broken = json.loads(json.dumps(good))
     breaks(broken)

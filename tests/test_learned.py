@@ -118,6 +118,34 @@ def test_threshold_keeps_exactly_the_tokens_above_it_and_the_protected(tiny, tra
   assert len(set(kept_counts)) > 1  # the kept fraction differs per head
 
 
+def test_a_threshold_sweep_reports_the_fraction_kept(tiny, trained, tmp_path):
+  from kvjax import eval as E
+
+  model, tokenizer = tiny
+  _, path = trained
+  results = E.run_sweep(
+      "fidelity",
+      model,
+      tokenizer,
+      policies=["full", "learned"],
+      budgets=["auto"],
+      context_tokens=[200],
+      ids=tokenizer.encode(TEXT),
+      options={"continuation_tokens": 8, "windows": 2},
+      threshold=-3.0,
+      scorer=str(path),
+      progress=False,
+  )
+  E.validate_results(results)
+  full, auto = results["rows"]
+  assert auto["budget"] == "auto" and auto["failed"] == 0
+  assert full["metrics"]["kept_fraction"] == 1.0
+  assert 0.0 < auto["metrics"]["kept_fraction"] < 1.0
+  assert results["config"]["spec"]["threshold"] == -3.0
+  E.write_results(results, tmp_path)
+  assert "| learned | auto | above threshold |" in (tmp_path / "results.md").read_text()
+
+
 def test_auto_budget_needs_a_threshold_and_a_compress_once_policy():
   with pytest.raises(ValueError, match="needs threshold="):
     kvjax.CompressionSpec(policy="kvzip", budget="auto")

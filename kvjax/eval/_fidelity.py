@@ -14,7 +14,7 @@ from kvjax.spec import CompressionSpec
 
 def full_cache_spec(spec: CompressionSpec) -> CompressionSpec:
   """The full cache with the same layout and kernels as `spec` (the reference)."""
-  return spec.replace(policy="full", budget=None)
+  return spec.full_cache()
 
 
 def continuation_logits(

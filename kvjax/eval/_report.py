@@ -51,7 +51,7 @@ COST_PLOTS = {
 
 _ROW_FIELDS = {
     "policy": str,
-    "budget": (int, float, type(None)),
+    "budget": (int, float, str, type(None)),  # str: only "auto" (keep what scores above)
     "budget_tokens": (int, type(None)),
     "context_tokens": int,
     "cases": int,
@@ -133,6 +133,10 @@ def validate(results: dict) -> None:
           f"rows[{i}].{field} = {row[field]!r}",
       )
     need(
+        not isinstance(row["budget"], str) or row["budget"] == "auto",
+        f"rows[{i}].budget = {row['budget']!r}",
+    )
+    need(
         0 <= row["failed"] <= row["cases"],
         f"rows[{i}] failed/cases = {row['failed']}/{row['cases']}",
     )
@@ -186,7 +190,7 @@ def markdown(results: dict) -> str:
       cells = [
           r["policy"],
           "-" if r["budget"] is None else str(r["budget"]),
-          "all" if r["budget_tokens"] is None else str(r["budget_tokens"]),
+          _kept_tokens(r),
           *(_fmt(m, r["metrics"][m]) for m in metrics),
       ]
       if answered:
@@ -238,7 +242,8 @@ def plots(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
   for metric in QUALITY_PLOTS[task]:
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, length in zip(axes[0], lengths):
-      at_length = [r for r in rows if r["context_tokens"] == length]
+      # budget='auto' rows keep a different amount per input: no point on a budget axis.
+      at_length = [r for r in rows if r["context_tokens"] == length and r["budget"] != "auto"]
       for label, series in _by_policy(at_length, "budget_tokens").items():
         if label == "full":
           if series[0]["metrics"][metric] is not None:
@@ -252,6 +257,12 @@ def plots(results: dict, out: pathlib.Path) -> list[pathlib.Path]:
       ax.legend(fontsize=7)
     written.append(_save(fig, out / f"{metric}_vs_budget.png"))
   return written
+
+
+def _kept_tokens(row) -> str:
+  if row["budget"] == "auto":
+    return "above threshold"
+  return "all" if row["budget_tokens"] is None else str(row["budget_tokens"])
 
 
 def _by_policy(rows, x: str, with_budget: bool = False) -> dict[str, list[dict]]:

@@ -123,7 +123,11 @@ def run(
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
   if threshold is not None and "auto" not in budgets:
     raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
-  base = CompressionSpec() if spec is None else spec.replace(policy="full", budget=None)
+  base = (
+      CompressionSpec()
+      if spec is None
+      else spec.replace(policy="full", budget=None, threshold=None, scorer=None)
+  )
   grid = list(configurations(policies, budgets, context_tokens))
   # Every configuration's spec and budget in tokens, checked before anything runs.
   specs = {
