@@ -184,6 +184,10 @@ def train_scorer(
   for name, value in (("steps", steps), ("batch", batch)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  if isinstance(learning_rate, bool) or not (
+      isinstance(learning_rate, (int, float)) and 0 < learning_rate < float("inf")
+  ):
+    raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
   pairs = text_windows(list(ids), context_tokens, 0, windows)  # raises if the text is short
   num_test = max(1, int(round(held_out * windows)))
   start = time.perf_counter()

@@ -217,3 +217,19 @@ def test_compress_modes_are_checked():
     kvjax.CompressionSpec(policy="h2o", budget=64, compress="sometimes")
   spec = kvjax.CompressionSpec(policy="h2o", budget="auto", threshold=0.5, compress="once")
   assert spec.auto and spec.once
+
+
+def test_bad_scorer_and_training_arguments_are_clear_errors(tiny):
+  model, tokenizer = tiny
+  with pytest.raises(ValueError, match=r"weight must be \[L, d, H\] and bias \[L, H\]"):
+    Scorer(np.zeros((2, 4)), np.zeros((2, 3)), model="x", fingerprint="x")
+  with pytest.raises(ValueError, match="compresses the context once"):
+    context_scores(model, [[1, 2, 3]], kvjax.CompressionSpec(policy="h2o", budget=64))
+  for bad, match in (
+      ({"learning_rate": -1.0}, "learning_rate must be a positive number"),
+      ({"steps": 0}, "steps must be an int >= 1"),
+      ({"context_tokens": 600}, "at most half the model context"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      options = {"context_tokens": 128, **bad}
+      training.train_scorer(model, tokenizer, [1] * 4000, model_name="x", **options)
