@@ -70,6 +70,7 @@ class Status(enum.IntFlag):
   OUT_OF_PAGES = 1  # the pool had no free page for an append; that append was dropped
   OVER_CAPACITY = 2  # an append would pass max_tokens; that append was dropped
   OVER_BUDGET = 4  # protected tokens alone exceed the budget; the cache kept them
+  OVER_CHUNK = 8  # with OUT_OF_PAGES: the failed append was longer than the pool's `chunk`
 
 
 class CacheError(RuntimeError):
@@ -95,6 +96,8 @@ class PagedKVCache:
   pages: PageTable
   config: CacheConfig = struct.field(pytree_node=False)
   slot_specs: tuple[Slot, ...] = struct.field(pytree_node=False, default=CACHE_SLOTS)
+  # Tokens per append that the pool was sized for (`init_cache(chunk=)`).
+  chunk: int = struct.field(pytree_node=False, default=1)
   # A policy's state that is not per token (`Policy.init_extra`): any arrays, e.g. [L, B, ...].
   extra: dict[str, Array] = struct.field(default_factory=dict)
 
@@ -225,6 +228,7 @@ def init_cache(
       pages=pages,
       config=config,
       slot_specs=slot_specs,
+      chunk=int(chunk),
       extra={name: jnp.asarray(x) for name, x in extra.items()},
   )
 
@@ -325,7 +329,10 @@ def append_layer(
       fits,
       0,
       jnp.where(
-          new_length.max() > cache.config.max_tokens, Status.OVER_CAPACITY, Status.OUT_OF_PAGES
+          new_length.max() > cache.config.max_tokens,
+          Status.OVER_CAPACITY,
+          Status.OUT_OF_PAGES
+          | (Status.OVER_CHUNK if t > cache.chunk and cache.config.num_pages is None else 0),
       ),
   )
   # New tokens carry the caller's marks; every other declared slot starts empty.
@@ -465,6 +472,12 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
 def check_status(cache: PagedKVCache) -> None:
   """Raises `CacheError` for failures recorded inside jit; warns when over budget."""
   status = Status(int(cache.status))
+  if status & Status.OUT_OF_PAGES and status & Status.OVER_CHUNK:
+    raise CacheError(
+        f"out of pages: the pool of {cache.num_pages} pages was sized for appends of "
+        f"chunk={cache.chunk} tokens per sequence, and an append was longer; pass "
+        "init_cache(chunk=) the largest number of tokens you append at once"
+    )
   if status & Status.OUT_OF_PAGES:
     raise CacheError(
         f"out of pages: the pool of {cache.num_pages} pages (page_size="

@@ -7,6 +7,33 @@ import dataclasses
 import sys
 import time
 
+EXIT_USAGE = 2  # bad command line or input: nothing ran
+EXIT_FAILED = 1  # the run itself failed
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+  """Adds "(default: X)" to an option's help unless it states its default already (flags
+  whose default None means "not given" say what applies instead)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text or any(action.default is d for d in (None, False, argparse.SUPPRESS)):
+      return text
+    return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with a one-line error (no usage block) and defaults in every --help."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", _HelpFormatter)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message):
+    print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
 # ---- the CompressionSpec and Sampling flags: one table, generated from the dataclasses ----
 
 
@@ -44,7 +71,7 @@ def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
     meta = dict(field.metadata)
     default = field.default
     help_text = meta.get("help", "") + ("" if default is None else f" (default: {default})")
-    kwargs = {"default": None, "dest": field.name, "help": help_text}
+    kwargs = {"default": None, "dest": field.name, "help": help_text.replace("%", "%%")}
     if field.name == "policy":
       kwargs["metavar"] = "POLICY"
       names = ", ".join(_policy_names()) + (", or 'all'" if sweep else "")
@@ -99,23 +126,79 @@ def _load(name: str):
   return model, tokenizer
 
 
+def _read_prompt(args) -> str:
+  """The prompt: the argument, stdin for '-', or --prompt-file; checked to be UTF-8 text."""
+  from kvjax.prompts import check_text
+
+  if (args.prompt is None) == (args.prompt_file is None):
+    given = "neither was given" if args.prompt is None else "both were given"
+    raise ValueError(f"give a PROMPT ('-' reads stdin) or --prompt-file FILE ({given})")
+  if args.prompt_file is not None:
+    from kvjax.eval import _data
+
+    return _data.read_text(args.prompt_file)
+  if args.prompt == "-":
+    raw = sys.stdin.buffer.read()
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+      raise ValueError(
+          f"stdin is not UTF-8: byte 0x{raw[err.start]:02x} at offset {err.start}"
+      ) from None
+  return check_text(args.prompt, "the prompt")
+
+
+def _show_progress(args) -> bool:
+  return not args.quiet and sys.stderr.isatty()
+
+
+def _prefill_bar(args):
+  """A progress callback for long prefills (a bar on stderr), or None."""
+  if not _show_progress(args):
+    return None
+  from tqdm.auto import tqdm
+
+  bar = None
+
+  def progress(done, total):
+    nonlocal bar
+    if total < 1024:  # short prompts prefill in about a second: no bar
+      return
+    if bar is None:
+      bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr)
+    bar.update(done - bar.n)
+    if done >= total:
+      bar.close()
+
+  return progress
+
+
 def _generate(args) -> int:
   """Generates a continuation of PROMPT with a model from the registry (default: SmolLM2)."""
   import json
 
   import kvjax
+  from models.registry import resolve_model
 
   # The whole command line is checked before the model loads.
   spec = spec_from_args(args)
   sampling = _from_args(kvjax.Sampling, args)
   if args.max_new_tokens < 1:
     raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  prompt = _read_prompt(args)
+  if not prompt.strip():
+    raise ValueError("the prompt is empty")
+  resolve_model(args.model)
   model, tokenizer = _load(args.model)
   options = dict(
-      max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, seed=args.seed
+      max_new_tokens=args.max_new_tokens,
+      sampling=sampling,
+      chat=args.chat,
+      seed=args.seed,
+      progress=_prefill_bar(args),
   )
   if args.json:
-    result = kvjax.generate(model, tokenizer, [args.prompt], spec, **options)
+    result = kvjax.generate(model, tokenizer, [prompt], spec, **options)
     print(
         json.dumps(
             {
@@ -127,9 +210,10 @@ def _generate(args) -> int:
         )
     )
     return 0
-  generation = kvjax.generate(model, tokenizer, [args.prompt], spec, stream=True, **options)
+  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=True, **options)
   for event in generation:
-    print(event.text, end="", flush=True)
+    sys.stdout.write(event.text)
+    sys.stdout.flush()
   print()
   stats = generation.result.stats
   print(
@@ -157,8 +241,6 @@ _QUICK_POLICIES = ["full", "streaming", "h2o"]
 def _evaluate(args) -> int:
   """Runs one evaluation task (or `bench`) over policies x budgets x request lengths and
   writes results.json, results.md and plots into --out."""
-  import pathlib
-
   from kvjax.eval import _data, _report, _sweep
 
   task = args.task
@@ -191,25 +273,44 @@ def _evaluate(args) -> int:
     options["decode_steps"] = args.decode_steps or (8 if quick else 32)
     options["repeats"] = args.repeats or (1 if quick else 3)
   _sweep.check_options(task, options)
-
-  model, tokenizer = _load(args.model)
-  ids, cases = None, None
+  if any(n < 1 for n in lengths):
+    raise ValueError(f"--context-tokens must be >= 1, got {lengths}")
+  if args.threshold is not None and "auto" not in budgets:
+    raise ValueError(f"--threshold {args.threshold} applies only with --budget auto")
+  for policy in _sweep.expand_policies(policies):  # every configuration's spec, checked
+    for budget in budgets if policy != "full" else [None]:
+      spec.replace(
+          policy=policy,
+          budget=budget,
+          threshold=args.threshold if budget == "auto" else None,
+          scorer=args.scorer if policy == "learned" else None,
+      )
+  # Files are read and the output directory checked before the model loads.
+  out = _report.check_out(args.out or f"kvjax-results/{task}")
+  records, text = None, None
   if task == "passkey" and args.jsonl:
-    cases = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
+    records = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
     if args.context_tokens:
       raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
-    lengths = [max(len(tokenizer.encode(c["context"])) for c in cases)]
     data = {"kind": "jsonl", "source": args.jsonl}
   elif task == "passkey" and "text" not in options["fillers"]:
     data = {"kind": "synthetic passkey"}
+  elif args.jsonl:
+    text = "\n\n".join(r["text"] for r in _data.read_jsonl(args.jsonl, ("text",)))
+    data = {"kind": "jsonl", "source": args.jsonl}
+  elif args.text:
+    text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
   else:
-    if args.jsonl:
-      records = _data.read_jsonl(args.jsonl, ("text",))
-      text, data = "\n\n".join(r["text"] for r in records), {"kind": "jsonl", "source": args.jsonl}
-    elif args.text:
-      text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
-    else:
-      text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
+    text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
+  from models.registry import resolve_model
+
+  resolve_model(args.model)
+
+  model, tokenizer = _load(args.model)
+  ids, cases = None, records
+  if records is not None:
+    lengths = [max(len(tokenizer.encode(c["context"])) for c in records)]
+  if text is not None:
     ids = tokenizer.encode(text)
     data["tokens"] = len(ids)
   results = _sweep.run(
@@ -226,9 +327,9 @@ def _evaluate(args) -> int:
       threshold=args.threshold,
       scorer=args.scorer,
       config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
-      progress=not args.quiet,
+      progress=_show_progress(args),
+      on_row=lambda partial: _report.write(partial, out, plot=False),  # keep what finished
   )
-  out = pathlib.Path(args.out or f"kvjax-results/{task}")
   written = _report.write(results, out)
   print(_report.markdown(results))
   print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
@@ -270,12 +371,28 @@ def _add_eval_options(parser, task: str):
       parser, CompressionSpec, sweep=True, title="compression (policy and budget: one or several)"
   )
   if task in ("fidelity", "perplexity"):
-    parser.add_argument("--windows", type=int, default=None, help="text windows per length")
-    parser.add_argument("--continuation-tokens", type=int, default=None)
+    parser.add_argument(
+        "--windows", type=int, default=None, help="text windows per length (default: 2; --quick: 1)"
+    )
+    default_continuation = 64 if task == "fidelity" else 128
+    parser.add_argument(
+        "--continuation-tokens",
+        type=int,
+        default=None,
+        help=f"tokens scored after each window (default: {default_continuation}; --quick: 16)",
+    )
   if task in ("passkey", "retention"):
-    parser.add_argument("--depths", nargs="+", type=float, default=None)
+    parser.add_argument(
+        "--depths",
+        nargs="+",
+        type=float,
+        default=None,
+        help="where the needle sits, fractions of the context (default: 0.1 0.5 0.9; --quick: 0.5)",
+    )
   if task == "passkey":
-    parser.add_argument("--trials", type=int, default=None, help="keys per filler and depth")
+    parser.add_argument(
+        "--trials", type=int, default=None, help="keys per filler and depth (default: 1)"
+    )
     parser.add_argument(
         "--fillers",
         nargs="+",
@@ -284,13 +401,22 @@ def _add_eval_options(parser, task: str):
         "window of --text or the shipped text per case) (default: repeat)",
     )
   if task == "multi_question":
-    parser.add_argument("--facts", type=int, default=None, help="questions per context (4)")
     parser.add_argument(
-        "--trials", type=int, default=None, help="contexts per length (6; --quick: 1)"
+        "--facts", type=int, default=None, help="questions per context (default: 4)"
+    )
+    parser.add_argument(
+        "--trials", type=int, default=None, help="contexts per length (default: 6; --quick: 1)"
     )
   if task == "bench":
-    parser.add_argument("--decode-steps", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="decoded tokens timed (default: 32; --quick: 8)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs, median kept (default: 3; --quick: 1)"
+    )
 
 
 def _train_scorer(args) -> int:
@@ -310,6 +436,9 @@ def _train_scorer(args) -> int:
   if args.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {args.steps}")
   text = _data.read_text(args.text) if args.text else _data.default_text()
+  from models.registry import resolve_model
+
+  resolve_model(args.model)
   model, tokenizer = _load(args.model)
 
   scorer = training.train_scorer(
@@ -322,7 +451,7 @@ def _train_scorer(args) -> int:
       held_out=args.held_out,
       steps=args.steps,
       seed=args.seed,
-      progress=not args.quiet,
+      progress=_show_progress(args),
   )
   path = scorer.save(out, overwrite=args.overwrite)
   m = scorer.metrics
@@ -341,10 +470,14 @@ def _policy_names():
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="kvjax", description="KV-cache compression for JAX.")
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser = _Parser(prog="kvjax", description="KV-cache compression for JAX.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   gen = sub.add_parser("generate", help="generate text with a model (default: SmolLM2-135M)")
-  gen.add_argument("prompt")
+  gen.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' reads it from stdin")
+  gen.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+  gen.add_argument(
+      "--quiet", action="store_true", help="no progress bar (none either when stderr is not a tty)"
+  )
   gen.add_argument(
       "--model",
       default="smollm2-135m-instruct",
@@ -354,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   _add_dataclass_flags(gen, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
   _add_dataclass_flags(gen, kvjax.Sampling, title="sampling (kvjax.Sampling)")
-  gen.add_argument("--max-new-tokens", type=int, default=64)
-  gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+  gen.add_argument("--seed", type=int, default=0, help="seed of sampling and random eviction")
   gen.add_argument(
       "--chat",
       action=argparse.BooleanOptionalAction,
@@ -367,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   gen.set_defaults(func=_generate)
   evaluation = sub.add_parser("eval", help="quality of compressed caches vs the full cache")
-  tasks = evaluation.add_subparsers(dest="task", required=True)
+  tasks = evaluation.add_subparsers(dest="task", required=True, parser_class=_Parser)
   for task, text in (
       ("fidelity", "KL and top-1 agreement with the full cache over real text"),
       ("passkey", "pass-key retrieval accuracy (or your --jsonl questions)"),
@@ -393,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--windows", type=int, default=12, help="text windows scored by kvzip")
   train.add_argument("--held-out", type=float, default=0.25, help="share of windows held out")
   train.add_argument("--steps", type=int, default=1500, help="Adam steps")
-  train.add_argument("--seed", type=int, default=0)
+  train.add_argument("--seed", type=int, default=0, help="seed of the split and the init")
   train.add_argument("--out", default=None, help="scorer directory (default: kvjax-scorers/MODEL)")
   train.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   train.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -402,16 +535,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  """Runs a command: exit 0; 2 with one line for a bad command line or input (nothing
+  ran); 1 with one line when the run fails (KVJAX_DEBUG=1 shows the traceback)."""
+  import os
+
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except (
-      ValueError,
-      FileNotFoundError,
-      FileExistsError,
-  ) as err:  # bad input: one clear line, no traceback
-    print(f"kvjax {args.command}: error: {err}", file=sys.stderr)
-    return 2
+  except KeyboardInterrupt:
+    print(f"kvjax {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as err:  # noqa: BLE001 - one line, never a traceback
+    if os.environ.get("KVJAX_DEBUG"):
+      raise
+    message = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, (ValueError, TypeError, OSError)):
+      print(f"kvjax {args.command}: error: {message}", file=sys.stderr)
+      return EXIT_USAGE
+    print(
+        f"kvjax {args.command}: failed: {type(err).__name__}: {message} "
+        "(KVJAX_DEBUG=1 shows the traceback)",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":

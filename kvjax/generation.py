@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -26,11 +26,42 @@ from kvjax.spec import CompressionSpec
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-  """One generated token of one row (streaming mode); `text` is the new decoded text."""
+  """One generated token of one row (streaming mode) and the text it completes. A row's
+  `text` pieces concatenate to exactly its final text: a token that ends inside a
+  multi-byte character adds "" until the character is complete. `token` is None for a
+  row's last piece when its generation ended inside a character."""
 
   row: int
-  token: int
+  token: int | None
   text: str
+
+
+class TextStream:
+  """One row's generated text, piece by piece: `push` token ids, get the text they
+  complete; `finish` returns the rest. The pieces concatenate to exactly
+  `tokenizer.decode(ids, skip_special_tokens=True)`."""
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+    self._ids: list[int] = []
+    self._sent = ""
+
+  def push(self, ids) -> str:
+    self._ids += list(ids)
+    text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+    # A token can end inside a multi-byte character, which decodes to U+FFFD until the
+    # next tokens complete it: hold trailing replacement characters back.
+    stable = text.rstrip("\ufffd")
+    if len(stable) <= len(self._sent) or not stable.startswith(self._sent):
+      return ""
+    piece, self._sent = stable[len(self._sent) :], stable
+    return piece
+
+  def finish(self) -> str:
+    """The text not sent yet (replacement characters that no later token completed)."""
+    text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+    piece, self._sent = text[len(self._sent) :], text
+    return piece
 
 
 @dataclasses.dataclass
@@ -53,6 +84,7 @@ def generate(
     seed: int = 0,
     key: Array | None = None,
     stream: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> GenerationResult | "Generation":
   """Generates continuations of a batch of prompts of different lengths.
 
@@ -67,6 +99,7 @@ def generate(
     chat: wrap str/segment prompts as a user message in the chat template; the template's
       own tokens (system prompt, role markers) are protected.
     stream: return a `Generation` iterator of `TokenEvent`s instead of the result.
+    progress: `progress(tokens_read, tokens_total)` after each prefill chunk (`prefill`).
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -86,7 +119,9 @@ def generate(
         f"context {shape.max_context}"
     )
   key = jax.random.key(seed) if key is None else key
-  run = _run(model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, key, stream)
+  run = _run(
+      model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, key, stream, progress
+  )
   generation = Generation(run)
   if stream:
     return generation
@@ -106,10 +141,19 @@ class Generation:
     self.result = yield from self._run
 
 
-def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream):
+def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream, progress):
   compiled = compile_stats()
   start = time.perf_counter()
-  state = prefill(model, prompts, spec, tokenizer=tokenizer, chat=chat, reserve=max_new, key=key)
+  state = prefill(
+      model,
+      prompts,
+      spec,
+      tokenizer=tokenizer,
+      chat=chat,
+      reserve=max_new,
+      key=key,
+      progress=progress,
+  )
   lengths = np.asarray(state.position)
   held = np.asarray(state.cache.length)  # [L, B, H] after prefill
   # Per row: the share of its prompt's K/V entries (over layers and kv heads) still cached.
@@ -119,7 +163,8 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
   stop_tokens = tuple(tokenizer.eos_ids or ())
   batch = state.batch_size
   if stream:
-    tokens, texts, reasons = [[] for _ in range(batch)], [""] * batch, ["length"] * batch
+    tokens, reasons = [[] for _ in range(batch)], ["length"] * batch
+    streams = [TextStream(tokenizer) for _ in range(batch)]
     decode_seconds = 0.0
     for _ in range(max_new):
       if bool(np.asarray(state.done).all()):
@@ -131,9 +176,10 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
           reasons[row] = "stop"
         if new:
           tokens[row] += new
-          text = tokenizer.decode(tokens[row])
-          yield TokenEvent(row, new[-1], text[len(texts[row]) :])
-          texts[row] = text
+          yield TokenEvent(row, new[-1], streams[row].push(new))
+    for row, stream in enumerate(streams):
+      if rest := stream.finish():
+        yield TokenEvent(row, None, rest)
   else:
     state, result = decode(
         model, state, max_new, sampling=sampling, stop_tokens=stop_tokens, donate=True

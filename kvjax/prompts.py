@@ -52,6 +52,21 @@ class EncodedPrompts:
     return out
 
 
+def check_text(text: str, name: str) -> str:
+  """`text` if it can be encoded as UTF-8; a ValueError naming `name` and the offending
+  character otherwise (a lone surrogate, e.g. an undecodable byte of a command line)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:
+    bad = text[err.start]
+    byte = f" (byte 0x{ord(bad) - 0xDC00:02x})" if 0xDC80 <= ord(bad) <= 0xDCFF else ""
+    raise ValueError(
+        f"{name} is not valid UTF-8 text: character {err.start} is {bad!r}{byte}; "
+        "pass UTF-8 text"
+    ) from None
+  return text
+
+
 def _is_token_ids(prompt) -> bool:
   if isinstance(prompt, np.ndarray):
     return prompt.ndim == 1 and (prompt.size == 0 or np.issubdtype(prompt.dtype, np.integer))
@@ -106,6 +121,7 @@ def encode_prompts(
       if isinstance(text, str):
         if text and tokenizer is None:
           raise ValueError(f"prompts[{i}] has text: pass tokenizer= (or give token ids)")
+        check_text(text, f"prompts[{i}]")
         piece = tokenizer.encode(text) if text else []
       else:
         piece = list(text)

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -279,6 +280,7 @@ def prefill(
     reserve: int = 256,
     seed: int = 0,
     key: Array | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> State:
   """Prefills a batch of prompts into a compressed cache, in chunks with eviction after each.
 
@@ -292,12 +294,16 @@ def prefill(
     reserve: with the full cache, room for this many more tokens per row before the cache
       grows (each growth re-lays the cache out and compiles new shapes once).
     seed, key: randomness for sampling and random eviction.
+    progress: called as `progress(tokens_read, tokens_total)` (of the longest prompt) after
+      each prefill chunk, e.g. to draw a progress bar.
   """
   spec = CompressionSpec() if spec is None else spec
+  if progress is not None and not callable(progress):
+    raise TypeError(f"progress must be a callable(done, total) or None, got {progress!r}")
   state, encoded, shape, reserve = _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key)
   if not state.plan.compresses_after_prefill:
-    return _prefill(model, state, encoded, state.key)
-  state = _read_and_score(model, state, encoded, tokenizer, shape)
+    return _prefill(model, state, encoded, state.key, progress)
+  state = _read_and_score(model, state, encoded, tokenizer, shape, progress)
   return _compress(state, reserve)
 
 
@@ -454,7 +460,8 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
     )
   reserve = min(reserve, shape.max_context - longest)
   batch = len(encoded.ids)
-  plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve)
+  most_protected = max(sum(row) for row in encoded.protected)
+  plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve, protected=most_protected)
   policy = _policy(plan)
   extra = {}
   if policy is not None and policy.keeps_extra:  # only then: Hq costs an abstract model call
@@ -501,8 +508,9 @@ def _check_state(state):
     raise TypeError(f"state must be a kvjax.State (from kvjax.prefill), got {type(state).__name__}")
 
 
-def _prefill(model, state: State, encoded: EncodedPrompts, key) -> State:
-  """Chunked prefill of `encoded` after each row's current position (donates `state`)."""
+def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -> State:
+  """Chunked prefill of `encoded` after each row's current position (donates `state`);
+  `progress(tokens_read, tokens_total)` after each chunk."""
   plan, chunk = state.plan, state.plan.chunk
   graphdef, params = nnx.split(model)
   lengths = encoded.lengths
@@ -531,6 +539,8 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key) -> State:
     ends_here = (lengths - 1 >= offset) & (lengths - 1 < offset + chunk)
     last_logits = jnp.where(ends_here[:, None], logits, last_logits)
     peak = max(peak, int(pages))
+    if progress is not None:
+      progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))
   check_status(cache)
   added = lengths > 0
   return state.replace(
@@ -546,7 +556,8 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   """The state, owned by the caller's next step (copied unless `donate`), with room for
   `more` tokens per row: past the model's context is an error; a cache that keeps every
   token (the full cache, or a context compressed once) grows when it is too short: longer
-  page tables, more pages (new shapes, compiled once)."""
+  page tables, more pages (new shapes, compiled once). An evicting cache keeps its page
+  tables; its pool, sized for the first request, grows to what the budgets allow."""
   furthest = int(np.asarray(state.position).max()) + more
   if furthest > shape.max_context:
     raise ValueError(
@@ -555,13 +566,25 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     )
   if not donate:
     state = _copy(state)
-  if state.plan.eviction is not None:
-    return state  # an evicting cache stays within its budget
   cache, cfg = state.cache, state.cache.config
   ps = cfg.page_size
-  length = np.asarray(cache.length)
+  length = np.asarray(cache.length)  # [L, B, H]
   num_free = int(cache.pages.num_free)
-  needed = int(np.sum(-(-(length + more) // ps) - -(-length // ps)))
+  held = -(-length // ps)
+  eviction = state.plan.eviction
+  if eviction is not None:
+    # Eviction holds a sequence at its budget (x heads when they share it) + one page of
+    # margin + one chunk; protected tokens are kept beyond it.
+    heads = cache.num_kv_heads if eviction.per_head else 1
+    peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + ps + state.plan.chunk
+    protected = np.asarray(logical_view(cache, cache.slot("protected"))).sum(-1)  # [L, B, H]
+    target = np.minimum(length + more, np.maximum(peak, protected + ps + state.plan.chunk))
+    needed = int(np.sum(np.maximum(-(-target // ps) - held, 0)))
+    capacity = max(cfg.max_tokens, -(-int(target.max()) // ps) * ps)
+    if needed <= num_free and capacity == cfg.max_tokens:
+      return state
+    return _grow(state, capacity, max(needed - num_free, 0))
+  needed = int(np.sum(-(-(length + more) // ps) - held))
   capacity = cfg.max_tokens
   if int(length.max()) + more <= capacity and needed <= num_free:
     return state
@@ -570,8 +593,15 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   top = math.ceil(shape.max_context / ps) * ps
   if int(length.max()) + more > capacity:
     capacity = min(math.ceil((int(length.max()) + room) / ps) * ps, top)
-  needed = int(np.sum(-(-np.minimum(length + room, capacity) // ps) - -(-length // ps)))
-  extra = max(needed - num_free, 0)
+  needed = int(np.sum(-(-np.minimum(length + room, capacity) // ps) - held))
+  return _grow(state, capacity, max(needed - num_free, 0))
+
+
+def _grow(state: State, capacity: int, extra: int) -> State:
+  """The state with page tables for `capacity` tokens per sequence and `extra` more free
+  pages (new shapes, compiled once)."""
+  cache, cfg = state.cache, state.cache.config
+  num_free = int(cache.pages.num_free)
   p = cache.num_pages
   pad = lambda x, value: jnp.concatenate(  # noqa: E731
       [x, jnp.full((extra, *x.shape[1:]), value, x.dtype)]
@@ -608,13 +638,16 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
 
-def _read_and_score(model, state: State, encoded: EncodedPrompts, tokenizer, shape) -> State:
+def _read_and_score(
+    model, state: State, encoded: EncodedPrompts, tokenizer, shape, progress=None
+) -> State:
   """The context read into the cache with nothing evicted, and scored: observed while it is
   read, or (kvzip) by having the model repeat it afterwards."""
   plan = state.plan
   reconstructs = plan.eviction.policy.reconstructs
   reading = dataclasses.replace(plan, eviction=None) if reconstructs else plan
-  state = _prefill(model, state.replace(plan=reading), encoded, state.key).replace(plan=plan)
+  state = _prefill(model, state.replace(plan=reading), encoded, state.key, progress)
+  state = state.replace(plan=plan)
   if reconstructs:
     state = _reconstruct(model, state, encoded, tokenizer, shape)
   return state

@@ -280,13 +280,19 @@ class CompressionSpec:
           f"{self.recent_tokens(tokens)} tokens: it needs >= {floor} at group size {group}"
       )
 
-  def plan(self, shape, *, batch: int, longest: int, reserve: int) -> "CachePlan":
+  def plan(
+      self, shape, *, batch: int, longest: int, reserve: int, protected: int = 0
+  ) -> "CachePlan":
     """Sizes the cache for `batch` rows whose longest prompt is `longest` tokens, with room
     for `reserve` more tokens per row with the full cache (decode, follow-ups).
 
     With eviction, page tables hold a layer's budget plus the margin (one page: eviction runs
     once a sequence passes its budget by a page, so it is amortised over a page of tokens)
     plus one prefill chunk, and the pool holds exactly what the budgets allow at that peak.
+    Protected tokens are never evicted: a row with more of them (`protected`, the most in
+    one row) than the budget keeps them all, so its sequences are sized for them instead;
+    and no sequence is sized beyond the request (`longest + reserve`), so the pool never
+    exceeds the full cache's.
     """
     # Short prompts need no full-size chunk; powers of two bound the number of compilations.
     chunk = min(self.prefill_chunk, 1 << (max(longest, 1) - 1).bit_length())
@@ -332,9 +338,17 @@ class CompressionSpec:
     heads = h if per_head else 1
     margin = ps
     # Per head, one sequence may take its layer's whole share: H x budget.
-    capacity = math.ceil((int(budgets.max()) * heads + margin + chunk) / ps) * ps
+    held = [max(int(b) * heads, protected) + margin + chunk for b in budgets]
+    capacity = math.ceil(max(held) / ps) * ps
+    # No sequence holds more than the request's tokens: the pool never exceeds the full
+    # cache's for the same batch (short prompts under a large budget). `extend` and
+    # `decode` grow it when a later request needs more (`session._fit`).
+    request = math.ceil((longest + reserve) / ps)
     pages_per_layer = [
-        h * math.ceil((int(b) + margin + chunk) / ps) + (h if per_head else 0) for b in budgets
+        min(h * math.ceil((int(b) + margin + chunk) / ps) + (h if per_head else 0), h * request)
+        if protected <= b
+        else h * min(math.ceil((protected + margin + chunk) / ps), request)
+        for b in budgets
     ]
     cfg = CacheConfig(
         max_tokens=capacity,

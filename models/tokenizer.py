@@ -162,6 +162,14 @@ class Tokenizer:
     return cls(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=chat_template)
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    if not isinstance(text, str):
+      raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as err:
+      raise ValueError(
+          f"encode: text is not valid UTF-8: character {err.start} is {text[err.start]!r}"
+      ) from None
     ids = self.tok.encode(text, add_special_tokens=False).ids
     if add_bos:
       if self.bos_id is None:

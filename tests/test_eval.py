@@ -352,7 +352,9 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
   assert json.loads((tmp_path / "results.json").read_text()) == results
   md = (tmp_path / "results.md").read_text()
   assert (
-      "## Failed cases" in md and "RuntimeError: kernel exploded" in md and "| tova | 0.5 |" in md
+      "## Errors (cases that crashed; they count as wrong)" in md
+      and "RuntimeError: kernel exploded" in md
+      and "| tova | 0.5 |" in md
   )
   pngs = [p for p in written if p.suffix == ".png"]
   assert {p.name for p in pngs} == {"kl_vs_budget.png", "top1_vs_budget.png"}

@@ -134,7 +134,7 @@ def test_cli_generate_json_answers_paris():
     [
         (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "model path not found"),
-        (["generate", ""], "prompts[0] is empty"),
+        (["generate", ""], "the prompt is empty"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message):

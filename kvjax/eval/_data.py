@@ -60,15 +60,30 @@ def default_text() -> str:
 
 
 def read_text(path: str | pathlib.Path) -> str:
-  """A UTF-8 text file (`.gz` is decompressed); ValueError when it is empty."""
+  """A UTF-8 text file (`.gz` is decompressed); ValueError when it is empty, binary or not
+  UTF-8 (a table computed from replacement characters would be a silent wrong answer)."""
   path = pathlib.Path(path)
   try:
     raw = path.read_bytes()
   except OSError as err:
     raise FileNotFoundError(f"cannot read text file {str(path)!r}: {err.strerror}") from None
   if path.suffix == ".gz":
-    raw = gzip.decompress(raw)
-  text = raw.decode("utf-8", errors="replace")
+    try:
+      raw = gzip.decompress(raw)
+    except (OSError, EOFError) as err:
+      raise ValueError(f"text file {str(path)!r} is not a valid .gz file: {err}") from None
+  nul = raw.find(b"\x00")
+  if nul >= 0:
+    raise ValueError(
+        f"text file {str(path)!r} is binary (NUL byte at offset {nul}); " "pass a UTF-8 text file"
+    )
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as err:
+    raise ValueError(
+        f"text file {str(path)!r} is not UTF-8: byte 0x{raw[err.start]:02x} at offset "
+        f"{err.start}; pass a UTF-8 text file"
+    ) from None
   if not text.strip():
     raise ValueError(f"text file {str(path)!r} is empty")
   return text

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import platform
+import tempfile
 
 import jax
 import numpy as np
@@ -183,7 +185,7 @@ def markdown(results: dict) -> str:
   extra = ["full-cache accuracy"] if answered else ["decode vs full"] if task == "bench" else []
   for length in sorted({r["context_tokens"] for r in rows}):
     lines += ["", f"## {length} tokens", ""]
-    header = ["policy", "budget", "kept tokens", *metrics, *extra, "failed"]
+    header = ["policy", "budget", "kept tokens", *metrics, *extra, "errors"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
     for r in (r for r in rows if r["context_tokens"] == length):
       base = baseline.get(length)
@@ -204,7 +206,7 @@ def markdown(results: dict) -> str:
       lines.append("| " + " | ".join(cells) + " |")
   failures = [r for r in rows if r["failed"]]
   if failures:
-    lines += ["", "## Failed cases", ""]
+    lines += ["", "## Errors (cases that crashed; they count as wrong)", ""]
     for r in failures:
       for error in r["errors"]:
         lines.append(f"- {r['policy']} budget={r['budget']} @{r['context_tokens']}: {error}")
@@ -285,11 +287,35 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def write(results: dict, out: str | pathlib.Path) -> list[pathlib.Path]:
-  """Writes results.json, results.md and the plots into `out`; returns the paths."""
+def check_out(out: str | pathlib.Path) -> pathlib.Path:
+  """`out` as a directory results can be written to (created if missing), checked before
+  any work: a sweep must not run for an hour and then fail to save."""
+  out = pathlib.Path(out)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out, prefix=".kvjax-write-check-"):
+      pass
+  except OSError as err:
+    raise ValueError(f"--out {str(out)!r} is not a writable directory: {err.strerror}") from None
+  return out
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+  """`path` holds either its old content or all of `text`, never a part."""
+  with tempfile.NamedTemporaryFile(
+      "w", dir=path.parent, prefix=f".{path.name}.", delete=False
+  ) as f:
+    f.write(text)
+  os.replace(f.name, path)
+
+
+def write(results: dict, out: str | pathlib.Path, *, plot: bool = True) -> list[pathlib.Path]:
+  """Writes results.json, results.md and (with `plot`) the plots into `out`, each file
+  atomically; returns the paths. A sweep calls it after each configuration (plot=False),
+  so what finished is kept whatever happens to the rest."""
   validate(results)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-  (out / "results.md").write_text(markdown(results))
-  return [out / "results.json", out / "results.md", *plots(results, out)]
+  _write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
+  _write_atomically(out / "results.md", markdown(results))
+  return [out / "results.json", out / "results.md", *(plots(results, out) if plot else [])]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvjax.eval import _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
@@ -95,6 +95,7 @@ def run(
     scorer: str | None = None,
     config: dict | None = None,
     progress: bool = True,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
   """Runs `task` for every (request length, policy, budget) and returns the results.
 
@@ -104,7 +105,8 @@ def run(
   `ids` is the text (fidelity, multi_question, perplexity, retention, bench, and passkey's
   "text" filler); `cases` the user's QA records for passkey (synthetic cases otherwise).
   Every configuration is checked before any runs, so bad input fails fast; a configuration
-  that crashes is recorded as failed.
+  that crashes is recorded as failed. `on_row(results)` runs after each configuration
+  (e.g. to save what finished).
   """
   from tqdm.auto import tqdm
 
@@ -192,6 +194,8 @@ def run(
             **({"answers": metrics["answers"]} if "answers" in metrics else {}),
         }
     )
+    if on_row is not None:
+      on_row(results)
   return results
 
 
