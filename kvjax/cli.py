@@ -277,14 +277,19 @@ def _evaluate(args) -> int:
     raise ValueError(f"--context-tokens must be >= 1, got {lengths}")
   if args.threshold is not None and "auto" not in budgets:
     raise ValueError(f"--threshold {args.threshold} applies only with --budget auto")
-  for policy in _sweep.expand_policies(policies):  # every configuration's spec, checked
+  from kvjax.eval._tasks import resolve_budget
+
+  for policy in _sweep.expand_policies(policies):  # every configuration, checked
     for budget in budgets if policy != "full" else [None]:
-      spec.replace(
+      config = spec.replace(
           policy=policy,
           budget=budget,
           threshold=args.threshold if budget == "auto" else None,
           scorer=args.scorer if policy == "learned" else None,
       )
+      if not (task == "passkey" and args.jsonl):  # their lengths are known once tokenized
+        for length in lengths:
+          resolve_budget(config, length)
   # Files are read and the output directory checked before the model loads.
   out = _report.check_out(args.out or f"kvjax-results/{task}")
   records, text = None, None

@@ -170,6 +170,10 @@ def test_bench_checks_its_output_directory_before_any_work():
         (["generate", "hi", "--model", "nope"], "unknown model 'nope'"),
         (["eval", "fidelity", "--policy", "h2o", "--budget", "-3"], "budget must be a positive"),
         (["eval", "fidelity", "--context-tokens", "0"], "--context-tokens must be >= 1"),
+        (
+            ["eval", "fidelity", "--policy", "h2o", "--budget", "4096", "--context-tokens", "512"],
+            "is larger than the request of 512 tokens",
+        ),
         (["eval", "fidelity", "--threshold", "-3"], "applies only with --budget auto"),
         (["bench", "--policy", "h2o", "--budget", "0.5", "--page-size", "0"], "page_size must be"),
         (["train-scorer", "--steps", "0"], "--steps must be >= 1"),
