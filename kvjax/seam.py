@@ -136,6 +136,9 @@ def forward(
         num_new,
         per_query_head=per_head,
         return_lse=want_lse,
+        # Without a policy nothing reads the probabilities: attention then reads only the
+        # live pages instead of the whole page table.
+        return_probs=policy is not None,
         impl=attention_impl,
     )
     if policy is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
+import pathlib
 import time
 from collections.abc import Callable
 from functools import partial
@@ -41,7 +43,7 @@ from kvjax.eviction import truncate as _truncate_cache
 from kvjax.policies import head_budgets
 from kvjax.prompts import EncodedPrompts, encode_prompts
 from kvjax.seam import ModelShape, forward, query_heads
-from kvjax.spec import CachePlan, CompressionSpec
+from kvjax.spec import CachePlan, CompressionSpec, capacity_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +125,42 @@ def compile_stats() -> dict:
   return dict(_COMPILE_STATS)
 
 
+def cache_dir() -> pathlib.Path:
+  """kvjax's cache directory: $KVJAX_CACHE_DIR, else ~/.cache/kvjax ($XDG_CACHE_HOME)."""
+  if os.environ.get("KVJAX_CACHE_DIR"):
+    return pathlib.Path(os.environ["KVJAX_CACHE_DIR"]).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+  return pathlib.Path(base) / "kvjax"
+
+
+_PERSISTENT_CACHE = {"checked": False}
+
+
+def _use_persistent_cache() -> None:
+  """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
+  unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
+  process loads its executables instead of compiling them again."""
+  if _PERSISTENT_CACHE["checked"]:
+    return
+  _PERSISTENT_CACHE["checked"] = True
+  if os.environ.get("KVJAX_CACHE_DIR", "").lower() == "off":
+    return
+  if jax.config.jax_compilation_cache_dir is not None:
+    return  # the user's own choice
+  path = cache_dir() / "jax"
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError:
+    return  # a read-only home: compile as before
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  # kvjax's steps take 0.2-5 s to compile on a CPU: keep them all.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
 def _compiled(fn, statics: dict, *args):
-  """Ahead-of-time compiled `fn` for these static values and argument shapes, cached."""
+  """Ahead-of-time compiled `fn` for these static values and argument shapes, cached in
+  this process and (through JAX's persistent cache) across processes."""
+  _use_persistent_cache()
   leaves, treedef = jax.tree.flatten(args)
   key = (
       fn,
@@ -592,7 +628,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   room = max(more, capacity // 2)
   top = math.ceil(shape.max_context / ps) * ps
   if int(length.max()) + more > capacity:
-    capacity = min(math.ceil((int(length.max()) + room) / ps) * ps, top)
+    capacity = min(capacity_bucket(int(length.max()) + room, ps, shape.max_context), top)
   needed = int(np.sum(-(-np.minimum(length + room, capacity) // ps) - held))
   return _grow(state, capacity, max(needed - num_free, 0))
 

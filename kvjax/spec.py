@@ -299,7 +299,7 @@ class CompressionSpec:
     ps = self.page_size
     dtype = self.kv_dtype or shape.dtype
     if not self.evicts:
-      capacity = math.ceil((longest + reserve) / ps) * ps
+      capacity = capacity_bucket(longest + reserve, ps, shape.max_context)
       cfg = CacheConfig(
           page_size=ps, max_tokens=capacity, group_reduce=self.group_reduce, dtype=dtype
       )
@@ -345,9 +345,11 @@ class CompressionSpec:
     # `decode` grow it when a later request needs more (`session._fit`).
     request = math.ceil((longest + reserve) / ps)
     pages_per_layer = [
-        min(h * math.ceil((int(b) + margin + chunk) / ps) + (h if per_head else 0), h * request)
-        if protected <= b
-        else h * min(math.ceil((protected + margin + chunk) / ps), request)
+        min(
+            h * math.ceil((max(int(b), protected) + margin + chunk) / ps)
+            + (h if per_head and protected <= b else 0),
+            h * max(request, math.ceil(int(b) / ps)),  # at least the budget (init_cache)
+        )
         for b in budgets
     ]
     cfg = CacheConfig(
@@ -384,6 +386,17 @@ class CachePlan:
   def compresses_after_prefill(self) -> bool:
     """A query-agnostic policy whose context is still to be scored and compressed."""
     return self.eviction is not None and self.spec.once
+
+
+def capacity_bucket(tokens: int, page_size: int, max_context: int) -> int:
+  """The capacity a full cache gets for `tokens`: a power of two up to 1024 tokens, a
+  multiple of 1024 above, in whole pages, at most the model context (rounded to a page).
+  Capacities shape the compiled steps, so a service sees a bounded set of compilations
+  (about 18 up to 8192 tokens) instead of one per prompt length; attention reads only the
+  live pages, so the padding costs memory, not time."""
+  size = 1 << max(tokens - 1, 0).bit_length() if tokens <= 1024 else -(-tokens // 1024) * 1024
+  top = math.ceil(max_context / page_size) * page_size
+  return min(math.ceil(size / page_size) * page_size, top)
 
 
 def _is_int(x) -> bool:

@@ -54,6 +54,7 @@ __all__ = [
     "is_traced",
     "last_live_block",
     "paged_attention",
+    "paged_attention_live_blocks",
     "paged_attention_lse_reference",
     "paged_attention_pallas",
     "paged_attention_pallas_gpu",
@@ -151,6 +152,76 @@ def paged_attention_lse_reference(
   lse = jax.nn.logsumexp(jnp.where(any_visible[..., None], logits, 0.0), axis=-1)
   lse = jnp.where(any_visible, lse, jnp.inf)  # [B, Hkv, T*G]
   return lse.reshape(b, hkv, t, hq // hkv).transpose(0, 2, 1, 3).reshape(b, t, hq)
+
+
+LIVE_BLOCK_TOKENS = 256  # tokens per step of the live-blocks loop
+
+
+def paged_attention_live_blocks(
+    q: Float[Array, "B T Hq D"],
+    k_pages: Float[Array, "P S D"],
+    v_pages: Float[Array, "P S D"],
+    page_table: Int[Array, "B Hkv M"],
+    lengths: Int[Array, "B Hkv"],
+    num_queries: Int[Array, " B"] | None = None,
+    *,
+    scale: float | None = None,
+    block_tokens: int = LIVE_BLOCK_TOKENS,
+) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B T Hq"]]:
+  """The reference's output (and the lse), reading only live pages: an online softmax
+  (flash-attention style) over blocks of ~`block_tokens` slots whose trip count is the live
+  blocks of the longest sequence, so a prefill chunk costs O(length), not O(capacity).
+  No probabilities: for callers that need none (the full cache, a compressed context).
+  """
+  q, k_pages, v_pages, page_table, lengths = map(
+      jnp.asarray, (q, k_pages, v_pages, page_table, lengths)
+  )
+  b, t, hq, d = q.shape
+  _, hkv, m = page_table.shape
+  s = k_pages.shape[1]
+  g = hq // hkv
+  ppb = max(1, min(block_tokens // s, m))  # pages per block
+  blocks = -(-m // ppb)
+  table = jnp.pad(page_table, ((0, 0), (0, 0), (0, blocks * ppb - m)))  # null page: in range
+  num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
+  scale = d**-0.5 if scale is None else scale
+  q_BxKxQxD = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  q_BxKxQxD = q_BxKxQxD.astype(jnp.float32) * scale
+  # Slots each query row sees (visible_mask's limit), per kv head: [B, Hkv, T*G].
+  q_idx = jnp.arange(t)[None, None, :]
+  limit = lengths[:, :, None] - num_queries[:, None, None] + q_idx + 1
+  limit = jnp.repeat(jnp.where(q_idx < num_queries[:, None, None], limit, 0), g, axis=2)
+  width = ppb * s
+
+  def block(j, carry):
+    m_i, l_i, acc = carry  # [B, Hkv, TG], [B, Hkv, TG], [B, Hkv, TG, D]
+    pages = jax.lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
+    slot = j * width + jnp.arange(width)  # [W]
+    k = k_pages[pages].reshape(b, hkv, width, d).astype(jnp.float32)
+    # Unused slots may hold NaN: V is zeroed there (0 * NaN would reach the output).
+    live = slot < lengths[..., None]  # [B, Hkv, W]
+    v = jnp.where(live[..., None], v_pages[pages].reshape(b, hkv, width, d), 0.0)
+    visible = slot < limit[..., None]  # [B, Hkv, TG, W]
+    logits = jnp.where(visible, jnp.einsum("bkqd,bknd->bkqn", q_BxKxQxD, k), _NEG_INF)
+    m_new = jnp.maximum(m_i, logits.max(-1))
+    p = jnp.where(visible, jnp.exp(logits - m_new[..., None]), 0.0)
+    correction = jnp.exp(m_i - m_new)
+    acc = acc * correction[..., None] + jnp.einsum("bkqn,bknd->bkqd", p, v.astype(jnp.float32))
+    return m_new, l_i * correction + p.sum(-1), acc
+
+  live_blocks = -(-jnp.max(lengths) // width)
+  init = (
+      jnp.full((b, hkv, t * g), _NEG_INF, jnp.float32),
+      jnp.zeros((b, hkv, t * g), jnp.float32),
+      jnp.zeros((b, hkv, t * g, d), jnp.float32),
+  )
+  m_i, l_i, acc = jax.lax.fori_loop(0, live_blocks, block, init)
+  seen = l_i > 0
+  out = acc / jnp.where(seen, l_i, 1.0)[..., None]
+  out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+  lse = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), jnp.inf)
+  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  return out.astype(q.dtype), lse
 
 
 # ---------------------------------------------------------------------------------------
@@ -505,6 +576,7 @@ def paged_attention(
     scale: float | None = None,
     per_query_head: bool = False,
     return_lse: bool = False,
+    return_probs: bool = True,
     impl: str = "auto",
     interpret: Any = None,
     pages_per_block: int | None = None,
@@ -520,7 +592,9 @@ def paged_attention(
   Validates every argument before launching anything: shapes (ValueError), dtypes
   (TypeError; the kernel takes float32/bfloat16 only) and, when the page table is concrete,
   its entries against [0, P) (ValueError). Returns (out, probs), plus the per-query-head
-  log-sum-exp [B, T, Hq] with `return_lse`.
+  log-sum-exp [B, T, Hq] with `return_lse`. With `return_probs=False` the probabilities
+  are None, and the reference path reads only live pages
+  (`paged_attention_live_blocks`).
   """
   use_pallas, interpret = resolve_impl(impl, interpret, gpu_kernel=True)
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
@@ -541,6 +615,9 @@ def paged_attention(
         pages_per_block=pages_per_block,
         interpret=interpret,
     )
+  if not return_probs:
+    out, lse = paged_attention_live_blocks(*arrays, scale=scale)
+    return (out, None, lse) if return_lse else (out, None)
   result = paged_attention_reference(*arrays, scale=scale, per_query_head=per_query_head)
   if return_lse:
     lse = paged_attention_lse_reference(q, k_pages, page_table, lengths, num_queries, scale=scale)

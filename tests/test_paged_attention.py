@@ -147,3 +147,64 @@ def test_attention_over_an_evicted_cache_matches_its_surviving_tokens(group_size
   want_out, want_probs = _dense_attention(np.asarray(q), dense_k, dense_v, lengths, [1, 1], hkv)
   np.testing.assert_allclose(out, want_out, atol=1e-5)
   np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "page_size, group, lengths, t, block_tokens",
+    [
+        (ps, g, lengths, t, bt)
+        for ps, g in itertools.product((1, 4, 16), (1, 3))
+        for lengths, t in (
+            ([1], 1),
+            ([ps + 1, 2 * ps - 1], 1),
+            ([3 * ps, 1, 2 * ps + 3], 1),
+            ([3 * ps + 2, 2 * ps], 5 if ps > 1 else 2),
+            ([0, 2 * ps], 1),  # an empty sequence
+        )
+        for bt in (1, 16, 256)  # a page per block .. every page in one block
+    ],
+)
+def test_live_blocks_match_the_reference_with_nan_poisoned_pool(
+    page_size, group, lengths, t, block_tokens
+):
+  from pallas_kernels.paged_attention import (
+      paged_attention_live_blocks,
+      paged_attention_lse_reference,
+  )
+
+  rng = np.random.default_rng(page_size * 100 + group * 10 + len(lengths) + t + block_tokens)
+  t = max(1, min(t, min(x for x in lengths if x) or 1))
+  q, k_pages, v_pages, table, lens, _, _ = _paged_problem(
+      rng, page_size, 2, group, [max(x, 1) for x in lengths], t
+  )
+  lens = np.asarray(lens).copy()
+  lens[np.asarray(lengths) == 0] = 0
+  num_queries = np.where(np.asarray(lengths) == 0, 0, t).astype(np.int32)
+  args = tuple(map(jnp.asarray, (q, k_pages, v_pages, table, lens, num_queries)))
+  out, lse = jax.jit(paged_attention_live_blocks, static_argnames="block_tokens")(
+      *args, block_tokens=block_tokens
+  )
+  ref_out, _ = paged_attention_reference(*args)
+  ref_lse = paged_attention_lse_reference(args[0], args[1], args[3], args[4], args[5])
+  assert not np.isnan(np.asarray(out)).any()
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_live_blocks_read_only_live_blocks():
+  """The loop's trip count is the live blocks: NaN in every block past the longest
+  sequence (even in pages the table points at) never reaches the output."""
+  from pallas_kernels.paged_attention import paged_attention_live_blocks
+
+  rng = np.random.default_rng(0)
+  d, ps = 8, 4
+  k_pages = rng.normal(size=(9, ps, d)).astype(np.float32)
+  v_pages = rng.normal(size=(9, ps, d)).astype(np.float32)
+  k_pages[5:], v_pages[5:] = np.nan, np.nan
+  table = np.array([[[1, 2, 5, 6, 7, 8]]], np.int32)  # pages 5.. lie past the length
+  q = rng.normal(size=(1, 1, 1, d)).astype(np.float32)
+  lengths = np.array([[8]], np.int32)
+  out, _ = paged_attention_live_blocks(q, k_pages, v_pages, table, lengths, block_tokens=8)
+  k = k_pages[[1, 2]].reshape(8, d)
+  p = np.exp(k @ q[0, 0, 0] / np.sqrt(d))
+  np.testing.assert_allclose(out[0, 0, 0], (p / p.sum()) @ v_pages[[1, 2]].reshape(8, d), rtol=1e-5)

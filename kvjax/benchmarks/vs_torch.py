@@ -1,0 +1,159 @@
+"""kvjax against transformers (PyTorch) on the same model and token ids, in one run.
+
+    python -m kvjax.benchmarks.vs_torch [--lengths 512 2048 8000] [--repeats 3]
+
+Loads the default model twice from its GGUF: kvjax (Flax NNX, float32) and transformers'
+`AutoModelForCausalLM` (float32, sdpa attention; from the test extras). For each prompt
+length, A B A B over `--repeats` rounds: prefill tokens/s (one prompt of real text) and
+greedy decode ms/token over `--decode-steps` steps, for kvjax's full cache, kvjax with
+`--policy` at `--budget` and transformers; medians, and kvjax's full-cache speed over
+transformers' (above 1: kvjax is faster). Then the request sequence: six prompts of different lengths, `--new-tokens` each,
+first pass (kvjax compiles what its shape buckets need) and again. Prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+
+import jax
+import numpy as np
+
+import kvjax
+from kvjax.eval._data import default_text
+
+SEQUENCE = (480, 650, 820, 990, 1160, 1330)  # the request sequence's prompt lengths
+
+
+def _kvjax_prefill(model, ids, spec, steps):
+  start = time.perf_counter()
+  state = kvjax.prefill(model, [ids], spec, reserve=steps)
+  jax.block_until_ready(state.logits)
+  return time.perf_counter() - start, state
+
+
+def _kvjax_decode(model, state, steps):
+  _, result = kvjax.decode(model, state, steps)
+  return result.stats["decode_seconds"] / steps
+
+
+def _torch_prefill_decode(ref, ids, steps):
+  import torch
+
+  with torch.no_grad():
+    x = torch.tensor([ids])
+    start = time.perf_counter()
+    out = ref(input_ids=x, use_cache=True)
+    prefill = time.perf_counter() - start
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+      out = ref(input_ids=token, past_key_values=past, use_cache=True)
+      past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return prefill, (time.perf_counter() - start) / steps
+
+
+def _torch_generate(ref, ids, new_tokens):
+  import torch
+
+  with torch.no_grad():
+    start = time.perf_counter()
+    ref.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+  import torch
+  import transformers
+
+  from models.llama import load_llama
+  from models.registry import resolve_model
+
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8000])
+  parser.add_argument("--repeats", type=int, default=3, help="A B rounds (medians)")
+  parser.add_argument("--decode-steps", type=int, default=16)
+  parser.add_argument("--policy", default="h2o")
+  parser.add_argument("--budget", type=int, default=256)
+  parser.add_argument("--new-tokens", type=int, default=8, help="per request of the sequence")
+  args = parser.parse_args(argv)
+  warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache renames
+  transformers.logging.set_verbosity_error()
+
+  path = resolve_model().path
+  model, tok = load_llama()
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+  ).eval()
+  ids = tok.encode(default_text())
+  full = kvjax.CompressionSpec()
+  compressed = kvjax.CompressionSpec(policy=args.policy, budget=args.budget)
+  print(
+      f"# kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
+      f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "
+      f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}\n"
+  )
+  print(
+      "| prompt tokens | prefill tok/s kvjax full | kvjax "
+      f"{args.policy} {args.budget} | transformers | kvjax full speed / transformers | decode "
+      "ms/token kvjax full | kvjax compressed | transformers | kvjax full speed / transformers |"
+  )
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for n in args.lengths:
+    prompt = ids[:n]
+    for spec in (full, compressed):  # compile outside the timed rounds
+      _, state = _kvjax_prefill(model, prompt, spec, args.decode_steps)
+      _kvjax_decode(model, state, args.decode_steps)
+    _torch_prefill_decode(ref, prompt[:64], 2)
+    times = {k: [] for k in ("full_p", "comp_p", "torch_p", "full_d", "comp_d", "torch_d")}
+    for _ in range(args.repeats):
+      seconds, state = _kvjax_prefill(model, prompt, full, args.decode_steps)
+      times["full_p"].append(seconds)
+      times["full_d"].append(_kvjax_decode(model, state, args.decode_steps))
+      del state
+      prefill, decode = _torch_prefill_decode(ref, prompt, args.decode_steps)
+      times["torch_p"].append(prefill)
+      times["torch_d"].append(decode)
+      seconds, state = _kvjax_prefill(model, prompt, compressed, args.decode_steps)
+      times["comp_p"].append(seconds)
+      times["comp_d"].append(_kvjax_decode(model, state, args.decode_steps))
+      del state
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"| {n} | {n / med['full_p']:.0f} | {n / med['comp_p']:.0f} | {n / med['torch_p']:.0f} "
+        f"| {med['torch_p'] / med['full_p']:.2f} | {1e3 * med['full_d']:.1f} "
+        f"| {1e3 * med['comp_d']:.1f} | {1e3 * med['torch_d']:.1f} "
+        f"| {med['torch_d'] / med['full_d']:.2f} |",
+        flush=True,
+    )
+
+  print(
+      f"\nThe request sequence ({', '.join(map(str, SEQUENCE))} tokens, {args.new_tokens} new "
+      "tokens each, greedy), seconds per request:\n"
+  )
+  print("| pass | kvjax full | kvjax compiles | transformers | kvjax / transformers |")
+  print("|---|---:|---:|---:|---:|")
+  rng = np.random.default_rng(0)
+  starts = rng.integers(0, len(ids) - max(SEQUENCE), len(SEQUENCE))
+  prompts = [ids[s : s + n] for s, n in zip(starts, SEQUENCE)]
+  for name in ("first", "again"):
+    ours, theirs, compiles = [], [], 0
+    for prompt in prompts:
+      start = time.perf_counter()
+      result = kvjax.generate(model, tok, [prompt], max_new_tokens=args.new_tokens)
+      ours.append(time.perf_counter() - start)
+      compiles += result.stats["compiles"]
+      theirs.append(_torch_generate(ref, prompt, args.new_tokens))
+    print(
+        f"| {name} | {sum(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) | {compiles} "
+        f"| {sum(theirs):.1f} ({min(theirs):.1f}-{max(theirs):.1f}) "
+        f"| {sum(ours) / sum(theirs):.2f} |",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,65 @@
+"""Prompt lengths map to a bounded set of compiled shapes (capacity buckets), and the
+full cache's attention reads only live pages."""
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.spec import capacity_bucket
+from kvjax.testing import ByteTokenizer, tiny_llama
+
+
+def test_capacity_buckets_are_few_and_hold_the_request():
+  sizes = {capacity_bucket(n, 16, 8192) for n in range(1, 8193)}
+  assert len(sizes) <= 18
+  for n in (1, 15, 16, 17, 500, 1025, 4097, 8192):
+    assert n <= capacity_bucket(n, 16, 8192) <= max(2 * n, 16)
+  assert capacity_bucket(9000, 16, 8192) == 8192  # never past the model context
+
+
+def test_prompts_of_new_lengths_in_one_bucket_compile_nothing_new():
+  model, tok = tiny_llama(max_context=1024), ByteTokenizer()
+  rng = np.random.default_rng(0)
+  counts = []
+  for length in (70, 90, 100, 120):  # chunk 128, capacity bucket 128 for all of them
+    prompt = [rng.integers(3, 250, length).tolist()]
+    result = kvjax.generate(model, tok, prompt, max_new_tokens=4)
+    counts.append(result.stats["compiles"])
+  assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+
+
+@pytest.mark.parametrize("policy", [None, "h2o"])
+def test_greedy_tokens_do_not_depend_on_the_capacity(policy):
+  """A longer reserve (a larger bucket) changes shapes, never the answer."""
+  model, tok = tiny_llama(max_context=1024, qk_scale=20.0), ByteTokenizer()
+  spec = kvjax.CompressionSpec() if policy is None else kvjax.CompressionSpec(policy, budget=48)
+  prompt = [list(range(3, 103))]
+  short = kvjax.prefill(model, prompt, spec, reserve=8)
+  long = kvjax.prefill(model, prompt, spec, reserve=600)
+  _, a = kvjax.decode(model, short, 6)
+  _, b = kvjax.decode(model, long, 6)
+  assert a.tokens == b.tokens
+
+
+_SCRIPT = """
+import kvjax
+from kvjax.testing import ByteTokenizer, tiny_llama
+result = kvjax.generate(tiny_llama(), ByteTokenizer(), ["hello"], max_new_tokens=2)
+print(result.stats["compiles"])
+"""
+
+
+@pytest.mark.parametrize("setting", ["dir", "off"])
+def test_compiled_steps_persist_in_the_kvjax_cache_dir(tmp_path, setting):
+  import os
+  import subprocess
+  import sys
+
+  env = {**os.environ, "KVJAX_CACHE_DIR": str(tmp_path) if setting == "dir" else "off"}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  run = subprocess.run(
+      [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert run.returncode == 0, run.stderr
+  entries = list((tmp_path / "jax").glob("*")) if (tmp_path / "jax").exists() else []
+  assert bool(entries) == (setting == "dir")
