@@ -592,8 +592,8 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   """The state, owned by the caller's next step (copied unless `donate`), with room for
   `more` tokens per row: past the model's context is an error; a cache that keeps every
   token (the full cache, or a context compressed once) grows when it is too short: longer
-  page tables, more pages (new shapes, compiled once). An evicting cache keeps its page
-  tables; its pool, sized for the first request, grows to what the budgets allow."""
+  page tables, more pages (new shapes, compiled once). An evicting cache's pool, sized
+  for the first request, grows to what its budgets (and its protected tokens) hold."""
   furthest = int(np.asarray(state.position).max()) + more
   if furthest > shape.max_context:
     raise ValueError(
