@@ -110,10 +110,13 @@ def spec_from_args(args, sweep: bool = False):
 
 
 def _load(name: str):
+  """The model and tokenizer; an unknown name or a missing file fails before "loading"."""
   import jax
 
   import models
+  from models.registry import resolve_model
 
+  resolve_model(name)
   start = time.perf_counter()
   print(f"loading {name} ...", file=sys.stderr, flush=True)
   model, tokenizer = models.load_llama(name)
@@ -138,13 +141,9 @@ def _read_prompt(args) -> str:
 
     return _data.read_text(args.prompt_file)
   if args.prompt == "-":
-    raw = sys.stdin.buffer.read()
-    try:
-      return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-      raise ValueError(
-          f"stdin is not UTF-8: byte 0x{raw[err.start]:02x} at offset {err.start}"
-      ) from None
+    from kvjax.eval import _data
+
+    return _data.decode_text(sys.stdin.buffer.read(), "stdin")
   return check_text(args.prompt, "the prompt")
 
 
@@ -178,7 +177,6 @@ def _generate(args) -> int:
   import json
 
   import kvjax
-  from models.registry import resolve_model
 
   # The whole command line is checked before the model loads.
   spec = spec_from_args(args)
@@ -188,7 +186,6 @@ def _generate(args) -> int:
   prompt = _read_prompt(args)
   if not prompt.strip():
     raise ValueError("the prompt is empty")
-  resolve_model(args.model)
   model, tokenizer = _load(args.model)
   options = dict(
       max_new_tokens=args.max_new_tokens,
@@ -277,19 +274,15 @@ def _evaluate(args) -> int:
     raise ValueError(f"--context-tokens must be >= 1, got {lengths}")
   if args.threshold is not None and "auto" not in budgets:
     raise ValueError(f"--threshold {args.threshold} applies only with --budget auto")
-  from kvjax.eval._tasks import resolve_budget
-
-  for policy in _sweep.expand_policies(policies):  # every configuration, checked
-    for budget in budgets if policy != "full" else [None]:
-      config = spec.replace(
-          policy=policy,
-          budget=budget,
-          threshold=args.threshold if budget == "auto" else None,
-          scorer=args.scorer if policy == "learned" else None,
-      )
-      if not (task == "passkey" and args.jsonl):  # their lengths are known once tokenized
-        for length in lengths:
-          resolve_budget(config, length)
+  _sweep.configuration_specs(  # every configuration, checked
+      spec,
+      policies,
+      budgets,
+      lengths,
+      threshold=args.threshold,
+      scorer=args.scorer,
+      resolve=not (task == "passkey" and args.jsonl),  # lengths known once tokenized
+  )
   # Files are read and the output directory checked before the model loads.
   out = _report.check_out(args.out or f"kvjax-results/{task}")
   records, text = None, None
@@ -307,10 +300,6 @@ def _evaluate(args) -> int:
     text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
   else:
     text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
-  from models.registry import resolve_model
-
-  resolve_model(args.model)
-
   model, tokenizer = _load(args.model)
   ids, cases = None, records
   if records is not None:
@@ -441,9 +430,6 @@ def _train_scorer(args) -> int:
   if args.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {args.steps}")
   text = _data.read_text(args.text) if args.text else _data.default_text()
-  from models.registry import resolve_model
-
-  resolve_model(args.model)
   model, tokenizer = _load(args.model)
 
   scorer = training.train_scorer(

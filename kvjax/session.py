@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import os
 import pathlib
 import time
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -133,16 +133,11 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(base) / "kvjax"
 
 
-_PERSISTENT_CACHE = {"checked": False}
-
-
+@functools.cache
 def _use_persistent_cache() -> None:
   """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
   unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
   process loads its executables instead of compiling them again."""
-  if _PERSISTENT_CACHE["checked"]:
-    return
-  _PERSISTENT_CACHE["checked"] = True
   if os.environ.get("KVJAX_CACHE_DIR", "").lower() == "off":
     return
   if jax.config.jax_compilation_cache_dir is not None:
@@ -185,7 +180,7 @@ def _policy(plan: CachePlan):
   return None if plan.eviction is None else plan.eviction.policy
 
 
-@partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
 def _prefill_chunk(
     params, cache, tokens, positions, num_new, logits_at, protected, segment, key, *, graphdef, plan
 ):
@@ -239,7 +234,7 @@ def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[A
   return jax.lax.cond(temperature > 0, stochastic, greedy, logits).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "evict"), donate_argnames="decoding")
+@functools.partial(jax.jit, static_argnames=("graphdef", "evict"), donate_argnames="decoding")
 def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graphdef, evict):
   """Decode steps until every row has its tokens or stopped, or the cache fails. Every
   emitted token is fed, so the state continues after the last one."""
@@ -610,11 +605,12 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   eviction = state.plan.eviction
   if eviction is not None:
     # Eviction holds a sequence at its budget (x heads when they share it) + one page of
-    # margin + one chunk; protected tokens are kept beyond it.
+    # margin + one chunk; a sequence already past that (protected tokens are never
+    # evicted) may grow by a margin and a chunk before eviction brings it back.
     heads = cache.num_kv_heads if eviction.per_head else 1
-    peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + ps + state.plan.chunk
-    protected = np.asarray(logical_view(cache, cache.slot("protected"))).sum(-1)  # [L, B, H]
-    target = np.minimum(length + more, np.maximum(peak, protected + ps + state.plan.chunk))
+    margin = ps + state.plan.chunk
+    peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + margin
+    target = np.minimum(length + more, np.maximum(peak, length + margin))
     needed = int(np.sum(np.maximum(-(-target // ps) - held, 0)))
     capacity = max(cfg.max_tokens, -(-int(target.max()) // ps) * ps)
     if needed <= num_free and capacity == cfg.max_tokens:
@@ -749,7 +745,7 @@ def _reconstruct(
 _truncate = jax.jit(_truncate_cache)
 
 
-@partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl"))
+@functools.partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl"))
 def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl):
   """Every sequence evicted to its share of the scored context (`policies.head_budgets`)."""
   ranked = policy.scores(cache, key)

@@ -338,17 +338,17 @@ class CompressionSpec:
     heads = h if per_head else 1
     margin = ps
     # Per head, one sequence may take its layer's whole share: H x budget.
-    held = [max(int(b) * heads, protected) + margin + chunk for b in budgets]
-    capacity = math.ceil(max(held) / ps) * ps
+    peak = max(int(budgets.max()) * heads, protected) + margin + chunk
+    capacity = math.ceil(peak / ps) * ps
     # No sequence holds more than the request's tokens: the pool never exceeds the full
-    # cache's for the same batch (short prompts under a large budget). `extend` and
-    # `decode` grow it when a later request needs more (`session._fit`).
+    # cache's for the same batch (short prompts under a large budget), though it holds at
+    # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
+    # request needs more (`session._fit`).
     request = math.ceil((longest + reserve) / ps)
     pages_per_layer = [
         min(
-            h * math.ceil((max(int(b), protected) + margin + chunk) / ps)
-            + (h if per_head and protected <= b else 0),
-            h * max(request, math.ceil(int(b) / ps)),  # at least the budget (init_cache)
+            h * math.ceil((max(int(b), protected) + margin + chunk) / ps) + (h if per_head else 0),
+            h * max(request, math.ceil(int(b) / ps)),
         )
         for b in budgets
     ]

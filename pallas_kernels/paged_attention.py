@@ -69,8 +69,8 @@ __all__ = [
 _NEG_INF = -1e30  # finite, so fully masked rows give zeros instead of NaN
 
 
-def visible_mask(lengths, num_queries, t: int, n: int):
-  """[B, Hkv, T, N]: slot n is visible to query t of row b.
+def _visible_limit(lengths, num_queries, t: int):
+  """[B, Hkv, T]: query t of row b sees the slots below this limit.
 
   The T queries are the last `num_queries[b]` tokens written to each sequence (a prefill
   chunk or one decode token), so query t sees slots < lengths - num_queries + t + 1:
@@ -78,24 +78,41 @@ def visible_mask(lengths, num_queries, t: int, n: int):
   """
   q_idx = jnp.arange(t)[None, None, :]  # [1, 1, T]
   limit = lengths[:, :, None] - num_queries[:, None, None] + q_idx + 1  # [B, Hkv, T]
-  limit = jnp.where(q_idx < num_queries[:, None, None], limit, 0)
-  return jnp.arange(n) < limit[..., None]
+  return jnp.where(q_idx < num_queries[:, None, None], limit, 0)
+
+
+def visible_mask(lengths, num_queries, t: int, n: int):
+  """[B, Hkv, T, N]: slot n is visible to query t of row b (`_visible_limit`)."""
+  return jnp.arange(n) < _visible_limit(lengths, num_queries, t)[..., None]
+
+
+def _query_rows(q, hkv: int, scale):
+  """q [B, T, Hq, D] as scaled float32 rows [B, Hkv, T*G, D] in kv-head-major layout (row
+  t * G + g is query t, head g of the kv head): both contractions are then plain batched
+  matmuls."""
+  b, t, hq, d = q.shape
+  scale = d**-0.5 if scale is None else scale
+  rows = q.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)
+  return rows.astype(jnp.float32) * scale
+
+
+def _per_query(x, t: int):
+  """Kv-head-major rows [B, Hkv, T*G, ...] back to [B, T, Hq, ...]."""
+  b, hkv, tg, *rest = x.shape
+  x = x.reshape(b, hkv, t, tg // t, *rest)
+  return jnp.swapaxes(x, 1, 2).reshape(b, t, hkv * (tg // t), *rest)
 
 
 def _reference_logits(q, k_pages, page_table, lengths, num_queries, scale):
-  """Scaled logits [B, Hkv, T*G, N] float32 in kv-head-major layout (row t * G + g is
-  query t, head g of the kv head) and the mask of the slots each row sees, same shape."""
-  b, t, hq, d = q.shape
+  """Scaled logits [B, Hkv, T*G, N] float32 in kv-head-major layout (`_query_rows`) and
+  the mask of the slots each row sees, same shape."""
+  b, t, hq, _ = q.shape
   _, hkv, m = page_table.shape
   n = m * k_pages.shape[1]
-  g = hq // hkv
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
-  scale = d**-0.5 if scale is None else scale
   k_BxKxNxD = gather_pages(k_pages, page_table)
-  # Kv-head-major layout ([B, Hkv, T*G, D]) keeps both contractions plain batched matmuls.
-  q_BxKxQxD = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  logits = jnp.einsum("bkqd,bknd->bkqn", q_BxKxQxD.astype(jnp.float32) * scale, k_BxKxNxD)
-  return logits, jnp.repeat(visible_mask(lengths, num_queries, t, n), g, axis=2)
+  logits = jnp.einsum("bkqd,bknd->bkqn", _query_rows(q, hkv, scale), k_BxKxNxD)
+  return logits, jnp.repeat(visible_mask(lengths, num_queries, t, n), hq // hkv, axis=2)
 
 
 def paged_attention_reference(
@@ -116,7 +133,7 @@ def paged_attention_reference(
   `per_query_head`, the probabilities of each query head instead: [B, Hq, T, N].
   """
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
-  b, t, hq, d = q.shape
+  b, t, hq, _ = q.shape
   hkv = page_table.shape[1]
   g = hq // hkv
   logits, visible = _reference_logits(q, k_pages, page_table, lengths, num_queries, scale)
@@ -126,8 +143,7 @@ def paged_attention_reference(
   v_BxKxNxD = gather_pages(v_pages, page_table, lengths)
   logits = jnp.where(visible, logits, _NEG_INF)  # [B, Hkv, T*G, N]
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)
-  out = jnp.einsum("bkqn,bknd->bkqd", probs, v_BxKxNxD)
-  out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+  out = _per_query(jnp.einsum("bkqn,bknd->bkqd", probs, v_BxKxNxD), t)
   probs = probs.reshape(b, hkv, t, g, n)
   if per_query_head:
     return out.astype(q.dtype), probs.transpose(0, 1, 3, 2, 4).reshape(b, hq, t, n)
@@ -144,14 +160,12 @@ def paged_attention_lse_reference(
     scale: float | None = None,
 ) -> Float[Array, "B T Hq"]:
   """Log-sum-exp of each query head's visible scaled logits (+inf where none is visible)."""
-  b, t, hq, _ = q.shape
-  hkv = page_table.shape[1]
+  t = q.shape[1]
   logits, visible = _reference_logits(q, k_pages, page_table, lengths, num_queries, scale)
   logits = jnp.where(visible, logits, -jnp.inf)  # [B, Hkv, T*G, N]
   any_visible = visible.any(-1)
   lse = jax.nn.logsumexp(jnp.where(any_visible[..., None], logits, 0.0), axis=-1)
-  lse = jnp.where(any_visible, lse, jnp.inf)  # [B, Hkv, T*G]
-  return lse.reshape(b, hkv, t, hq // hkv).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  return _per_query(jnp.where(any_visible, lse, jnp.inf), t)  # [B, Hkv, T*G] -> [B, T, Hq]
 
 
 LIVE_BLOCK_TOKENS = 256  # tokens per step of the live-blocks loop
@@ -173,6 +187,9 @@ def paged_attention_live_blocks(
   blocks of the longest sequence, so a prefill chunk costs O(length), not O(capacity).
   No probabilities: for callers that need none (the full cache, a compressed context).
   """
+  validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
+  if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+    raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
   q, k_pages, v_pages, page_table, lengths = map(
       jnp.asarray, (q, k_pages, v_pages, page_table, lengths)
   )
@@ -184,13 +201,8 @@ def paged_attention_live_blocks(
   blocks = -(-m // ppb)
   table = jnp.pad(page_table, ((0, 0), (0, 0), (0, blocks * ppb - m)))  # null page: in range
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
-  scale = d**-0.5 if scale is None else scale
-  q_BxKxQxD = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  q_BxKxQxD = q_BxKxQxD.astype(jnp.float32) * scale
-  # Slots each query row sees (visible_mask's limit), per kv head: [B, Hkv, T*G].
-  q_idx = jnp.arange(t)[None, None, :]
-  limit = lengths[:, :, None] - num_queries[:, None, None] + q_idx + 1
-  limit = jnp.repeat(jnp.where(q_idx < num_queries[:, None, None], limit, 0), g, axis=2)
+  q_BxKxQxD = _query_rows(q, hkv, scale)
+  limit = jnp.repeat(_visible_limit(lengths, num_queries, t), g, axis=2)  # [B, Hkv, T*G]
   width = ppb * s
 
   def block(j, carry):
@@ -217,11 +229,9 @@ def paged_attention_live_blocks(
   )
   m_i, l_i, acc = jax.lax.fori_loop(0, live_blocks, block, init)
   seen = l_i > 0
-  out = acc / jnp.where(seen, l_i, 1.0)[..., None]
-  out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+  out = _per_query(acc / jnp.where(seen, l_i, 1.0)[..., None], t)
   lse = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), jnp.inf)
-  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
-  return out.astype(q.dtype), lse
+  return out.astype(q.dtype), _per_query(lse, t)
 
 
 # ---------------------------------------------------------------------------------------

@@ -208,3 +208,25 @@ def test_live_blocks_read_only_live_blocks():
   k = k_pages[[1, 2]].reshape(8, d)
   p = np.exp(k @ q[0, 0, 0] / np.sqrt(d))
   np.testing.assert_allclose(out[0, 0, 0], (p / p.sum()) @ v_pages[[1, 2]].reshape(8, d), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"q": np.zeros((1, 1, 3, 8), np.float32)}, "divisible|multiple|Hq"),
+        ({"block_tokens": 0}, "block_tokens must be an int >= 1, got 0"),
+    ],
+)
+def test_live_blocks_reject_bad_arguments(change, match):
+  from pallas_kernels.paged_attention import paged_attention_live_blocks
+
+  args = {
+      "q": np.zeros((1, 1, 4, 8), np.float32),
+      "k_pages": np.zeros((3, 4, 8), np.float32),
+      "v_pages": np.zeros((3, 4, 8), np.float32),
+      "page_table": np.ones((1, 2, 2), np.int32),
+      "lengths": np.full((1, 2), 4, np.int32),
+  }
+  block_tokens = change.pop("block_tokens", 8)
+  with pytest.raises(ValueError, match=match):
+    paged_attention_live_blocks(**{**args, **change}, block_tokens=block_tokens)

@@ -59,9 +59,24 @@ def default_text() -> str:
   return gzip.decompress(data.read_bytes()).decode("utf-8")
 
 
+def decode_text(raw: bytes, source: str) -> str:
+  """`raw` as UTF-8 text; ValueError naming `source` when it is binary or not UTF-8 (text
+  read with replacement characters would give a silent wrong answer)."""
+  nul = raw.find(b"\x00")
+  if nul >= 0:
+    raise ValueError(f"{source} is binary (NUL byte at offset {nul}); pass UTF-8 text")
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as err:
+    raise ValueError(
+        f"{source} is not UTF-8: byte 0x{raw[err.start]:02x} at offset {err.start}; "
+        "pass UTF-8 text"
+    ) from None
+
+
 def read_text(path: str | pathlib.Path) -> str:
   """A UTF-8 text file (`.gz` is decompressed); ValueError when it is empty, binary or not
-  UTF-8 (a table computed from replacement characters would be a silent wrong answer)."""
+  UTF-8."""
   path = pathlib.Path(path)
   try:
     raw = path.read_bytes()
@@ -72,18 +87,7 @@ def read_text(path: str | pathlib.Path) -> str:
       raw = gzip.decompress(raw)
     except (OSError, EOFError) as err:
       raise ValueError(f"text file {str(path)!r} is not a valid .gz file: {err}") from None
-  nul = raw.find(b"\x00")
-  if nul >= 0:
-    raise ValueError(
-        f"text file {str(path)!r} is binary (NUL byte at offset {nul}); " "pass a UTF-8 text file"
-    )
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as err:
-    raise ValueError(
-        f"text file {str(path)!r} is not UTF-8: byte 0x{raw[err.start]:02x} at offset "
-        f"{err.start}; pass a UTF-8 text file"
-    ) from None
+  text = decode_text(raw, f"text file {str(path)!r}")
   if not text.strip():
     raise ValueError(f"text file {str(path)!r} is empty")
   return text

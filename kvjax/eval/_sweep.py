@@ -79,6 +79,40 @@ def configurations(policies, budgets, lengths):
           yield length, policy, budget
 
 
+def _base(spec: CompressionSpec | None) -> CompressionSpec:
+  """`spec` without the choices each configuration makes (`_PER_CONFIG` in the CLI)."""
+  if spec is None:
+    return CompressionSpec()
+  return spec.replace(policy="full", budget=None, threshold=None, scorer=None)
+
+
+def configuration_specs(
+    spec: CompressionSpec | None,
+    policies: Sequence[str],
+    budgets: Sequence[int | float | str],
+    context_tokens: Sequence[int],
+    *,
+    threshold: float | None = None,
+    scorer: str | None = None,
+    resolve: bool = True,
+) -> tuple[dict, dict]:
+  """Every configuration's spec, {(length, policy, budget): spec}, and (with `resolve`) its
+  budget in tokens, built and checked before anything runs: `spec` with each policy and
+  budget (`threshold` where the budget is 'auto', `scorer` where the policy is 'learned')."""
+  base = _base(spec)
+  specs = {
+      c: base.replace(
+          policy=c[1],
+          budget=c[2],
+          threshold=threshold if c[2] == "auto" else None,
+          scorer=scorer if c[1] == "learned" else None,
+      )
+      for c in configurations(expand_policies(policies), budgets, context_tokens)
+  }
+  kept = {c: _tasks.resolve_budget(s, c[0]) for c, s in specs.items()} if resolve else {}
+  return specs, kept
+
+
 def run(
     task: str,
     model,
@@ -125,23 +159,11 @@ def run(
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
   if threshold is not None and "auto" not in budgets:
     raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
-  base = (
-      CompressionSpec()
-      if spec is None
-      else spec.replace(policy="full", budget=None, threshold=None, scorer=None)
+  specs, kept = configuration_specs(
+      spec, policies, budgets, context_tokens, threshold=threshold, scorer=scorer
   )
-  grid = list(configurations(policies, budgets, context_tokens))
-  # Every configuration's spec and budget in tokens, checked before anything runs.
-  specs = {
-      c: base.replace(
-          policy=c[1],
-          budget=c[2],
-          threshold=threshold if c[2] == "auto" else None,
-          scorer=scorer if c[1] == "learned" else None,
-      )
-      for c in grid
-  }
-  kept = {c: _tasks.resolve_budget(specs[c], c[0]) for c in grid}
+  grid = list(specs)
+  base = _base(spec)
   for length in context_tokens:
     _check_data(task, tokenizer, length, ids, cases, options)
 
