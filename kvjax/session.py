@@ -547,7 +547,8 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
   lengths = encoded.lengths
   starts = np.asarray(state.position)
   ids, protected, segment = encoded.padded(-(-int(lengths.max()) // chunk) * chunk)
-  last_logits, cache, peak = state.logits, state.cache, int(state.peak_pages)
+  # The peak stays on device: reading it per chunk would stall dispatch of the next chunk.
+  last_logits, cache, peak = state.logits, state.cache, state.peak_pages
   statics = {"graphdef": graphdef, "plan": plan}
   for offset in range(0, ids.shape[1], chunk):
     window = slice(offset, offset + chunk)
@@ -569,7 +570,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
     logits, cache, pages = step(*args)
     ends_here = (lengths - 1 >= offset) & (lengths - 1 < offset + chunk)
     last_logits = jnp.where(ends_here[:, None], logits, last_logits)
-    peak = max(peak, int(pages))
+    peak = jnp.maximum(peak, pages)
     if progress is not None:
       progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))
   check_status(cache)
@@ -579,7 +580,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
       logits=jax.block_until_ready(last_logits),
       position=jnp.asarray((starts + lengths).astype(np.int32)),
       done=jnp.asarray(np.asarray(state.done) & ~added),
-      peak_pages=jnp.asarray(np.int32(peak)),
+      peak_pages=peak.astype(jnp.int32),
   )
 
 

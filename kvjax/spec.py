@@ -90,8 +90,10 @@ class CompressionSpec:
       "mean", "how token scores combine into a group's importance", choices=GROUP_REDUCTIONS
   )
   fair: bool = _field(False, "every marked segment loses the same fraction of its tokens")
-  prefill_chunk: int = _field(
-      256, "prompt tokens per prefill step (eviction runs after each chunk)"
+  prefill_chunk: int | None = _field(
+      None,
+      "prompt tokens per prefill step (eviction runs after each chunk); default 256 with "
+      "eviction, 512 with a cache that evicts nothing (larger matmuls, fewer steps)",
   )
   attention_impl: str = _field(
       "auto",
@@ -114,6 +116,8 @@ class CompressionSpec:
     object.__setattr__(self, "policy", get_policy(self.policy, scorer=self.scorer))
     for name in ("sink", "page_size", "prefill_chunk"):
       value, low = getattr(self, name), 0 if name == "sink" else 1
+      if name == "prefill_chunk" and value is None:
+        continue
       if not _is_int(value) or value < low:
         fail(f"{name} must be an int >= {low}, got {value!r}")
     if self.recent is not None and (not _is_int(self.recent) or self.recent < 0):
@@ -295,7 +299,8 @@ class CompressionSpec:
     exceeds the full cache's.
     """
     # Short prompts need no full-size chunk; powers of two bound the number of compilations.
-    chunk = min(self.prefill_chunk, 1 << (max(longest, 1) - 1).bit_length())
+    chunk = self.prefill_chunk or (256 if self.evicts else 512)
+    chunk = min(chunk, 1 << (max(longest, 1) - 1).bit_length())
     ps = self.page_size
     dtype = self.kv_dtype or shape.dtype
     if not self.evicts:

@@ -2,12 +2,15 @@
 
 `Llama.run` is the seam kvjax plugs into (see `docs/integration.md`): the model computes q, k,
 v per layer and calls an `attend` function it is given; it knows nothing of caches or
-policies, so this package imports nothing from kvjax. Layer weights are stacked on a
-leading [L] axis and the layers run under `lax.scan`, so compile time does not grow with depth. Linear weights are stored `[in, out]` (`y = x @ w`).
+policies, so this package imports nothing from kvjax. The layers run under `lax.scan` (one
+copy of the attention in the program, whatever the depth); each layer's weights are arrays
+of their own, read through a `lax.switch` on the layer index (see `run`). Linear weights
+are stored `[in, out]` (`y = x @ w`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -89,15 +92,20 @@ class Llama(nnx.Module):
     c = config
     self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.d_model), dtype))
     shapes = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if c.qkv_bias else {}))
-    self.layers = nnx.Dict(
-        {
-            name: nnx.Param(
-                jnp.ones((c.n_layers, *shape(c)), dtype)
-                if name in _NORMS
-                else init(rngs.params(), (c.n_layers, *shape(c)), dtype)
+    self.layers = nnx.List(
+        [
+            nnx.Dict(
+                {
+                    name: nnx.Param(
+                        jnp.ones(shape(c), dtype)
+                        if name in _NORMS
+                        else init(rngs.params(), shape(c), dtype)
+                    )
+                    for name, shape in shapes.items()
+                }
             )
-            for name, shape in shapes.items()
-        }
+            for _ in range(c.n_layers)
+        ]
     )
     self.final_norm = nnx.Param(jnp.ones((c.d_model,), dtype))
     self.lm_head = (
@@ -117,13 +125,14 @@ class Llama(nnx.Module):
     as_array = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     model.embed = nnx.Param(as_array(params["embed"]))
     layer_names = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if config.qkv_bias else {}))
-    stacked = {}
-    for name in layer_names:
-      per_layer = [params[f"layers.{i}.{name}"] for i in range(config.n_layers)]
-      if per_layer[0].ndim == 2:  # [out, in] -> [in, out]
-        per_layer = [w.T for w in per_layer]
-      stacked[name] = nnx.Param(as_array(np.stack(per_layer)))
-    model.layers = nnx.Dict(stacked)
+    layers = []
+    for i in range(config.n_layers):
+      layer = {}
+      for name in layer_names:
+        w = params[f"layers.{i}.{name}"]
+        layer[name] = nnx.Param(as_array(w.T if w.ndim == 2 else w))  # [out, in] -> [in, out]
+      layers.append(nnx.Dict(layer))
+    model.layers = nnx.List(layers)
     model.final_norm = nnx.Param(as_array(params["final_norm"]))
     if not config.tie_embeddings:
       model.lm_head = nnx.Param(as_array(params["lm_head"].T))
@@ -160,28 +169,40 @@ class Llama(nnx.Module):
       raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
     inv_freq = self.inv_freq[...]
     h = self.embed[...][tokens]  # [B, T, d]
+    layers = [{name: p[...] for name, p in layer.items()} for layer in self.layers]
 
-    def layer(carry, xs):
-      h, kv_state = carry
-      w, index = xs
-      h_in = h
+    def qkv(w, h):
       x = rms_norm(h, w["attn_norm"], c.rms_eps)
       q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
       if c.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+      return q, k, v
+
+    def output_and_mlp(w, h, out):
+      h = h + out.reshape(b, t, -1).astype(h.dtype) @ w["wo"]
+      x = rms_norm(h, w["mlp_norm"], c.rms_eps)
+      return h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+
+    def with_weights(index, fn, *args):
+      # Layer `index`'s weights without copying them: a scan over stacked weights slices
+      # (copies) a layer per step, which doubles a decode step's memory traffic on CPU;
+      # a switch over per-layer arrays reads them in place, and only the matmuls are
+      # repeated per layer, so compile time barely grows with depth.
+      return jax.lax.switch(index, [functools.partial(fn, w) for w in layers], *args)
+
+    def layer(carry, index):
+      h, kv_state = carry
+      q, k, v = with_weights(index, qkv, h)
       q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, inv_freq)
       k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, inv_freq)
       v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
       out, kv_state = attend(q, k, v, kv_state, index)
-      h = h + out.reshape(b, t, -1).astype(h.dtype) @ w["wo"]
-      x = rms_norm(h, w["mlp_norm"], c.rms_eps)
-      h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+      h_out = with_weights(index, output_and_mlp, h, out)
       if after_layer is not None:
-        kv_state = after_layer(kv_state, index, h_in, h)
-      return (h, kv_state), None
+        kv_state = after_layer(kv_state, index, h, h_out)
+      return (h_out, kv_state), None
 
-    weights = {name: p[...] for name, p in self.layers.items()}
-    (h, kv_state), _ = jax.lax.scan(layer, (h, kv_state), (weights, jnp.arange(c.n_layers)))
+    (h, kv_state), _ = jax.lax.scan(layer, (h, kv_state), jnp.arange(c.n_layers))
     if logits_at is not None:
       h = h[jnp.arange(b), logits_at]  # [B, d]
     h = rms_norm(h, self.final_norm[...], c.rms_eps)

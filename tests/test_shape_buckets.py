@@ -28,6 +28,24 @@ def test_prompts_of_new_lengths_in_one_bucket_compile_nothing_new():
   assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
+def test_the_request_sequence_compiles_one_set_per_bucket():
+  """The performance issue's six prompt lengths: each capacity bucket compiles its steps
+  once (prefill chunk + decode loop); a prompt in a bucket already seen compiles nothing."""
+  model, tok = tiny_llama(max_context=2048), ByteTokenizer()
+  rng = np.random.default_rng(1)
+  new_tokens, seen, counts = 8, {}, []
+  for length in (480, 650, 820, 990, 1160, 1330):
+    prompt = [rng.integers(3, 250, length).tolist()]
+    result = kvjax.generate(model, tok, prompt, max_new_tokens=new_tokens)
+    bucket = capacity_bucket(length + new_tokens, 16, 2048)
+    counts.append(result.stats["compiles"])
+    if bucket in seen:
+      assert result.stats["compiles"] == 0, (length, counts)
+    seen.setdefault(bucket, result.stats["compiles"])
+  assert sorted(seen) == [512, 1024, 2048]
+  assert set(seen.values()) == {2}, counts  # one prefill chunk step + one decode loop
+
+
 @pytest.mark.parametrize("policy", [None, "h2o"])
 def test_greedy_tokens_do_not_depend_on_the_capacity(policy):
   """A longer reserve (a larger bucket) changes shapes, never the answer."""

@@ -9,12 +9,20 @@ greedy decode ms/token over `--decode-steps` steps, for kvjax's full cache, kvja
 `--policy` at `--budget` and transformers; medians, and kvjax's full-cache speed over
 transformers' (above 1: kvjax is faster). Then the request sequence: six prompts of different lengths, `--new-tokens` each,
 first pass (kvjax compiles what its shape buckets need) and again. Prints markdown.
+
+    python -m kvjax.benchmarks.vs_torch --part sequence --cold
+
+runs only the request sequence, with JAX's persistent compilation cache in an empty
+temporary directory: the first pass then compiles everything (a new machine); without
+`--cold` a fresh process loads what an earlier run stored there.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import tempfile
 import statistics
 import time
 import warnings
@@ -46,7 +54,8 @@ def _torch_prefill_decode(ref, ids, steps):
   with torch.no_grad():
     x = torch.tensor([ids])
     start = time.perf_counter()
-    out = ref(input_ids=x, use_cache=True)
+    # The last token's logits only, as kvjax's prefill (and transformers' generate) computes.
+    out = ref(input_ids=x, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - start
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
@@ -79,7 +88,13 @@ def main(argv=None):
   parser.add_argument("--policy", default="h2o")
   parser.add_argument("--budget", type=int, default=256)
   parser.add_argument("--new-tokens", type=int, default=8, help="per request of the sequence")
+  parser.add_argument("--part", choices=("all", "table", "sequence"), default="all")
+  parser.add_argument(
+      "--cold", action="store_true", help="empty compilation cache (a temporary KVJAX_CACHE_DIR)"
+  )
   args = parser.parse_args(argv)
+  if args.cold:
+    os.environ["KVJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-cold-")
   warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache renames
   transformers.logging.set_verbosity_error()
 
@@ -89,13 +104,20 @@ def main(argv=None):
       str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
   ids = tok.encode(default_text())
-  full = kvjax.CompressionSpec()
-  compressed = kvjax.CompressionSpec(policy=args.policy, budget=args.budget)
   print(
       f"# kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "
       f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}\n"
   )
+  if args.part != "sequence":
+    _table(args, model, ref, ids)
+  if args.part != "table":
+    _sequence(args, model, tok, ref, ids)
+
+
+def _table(args, model, ref, ids):
+  full = kvjax.CompressionSpec()
+  compressed = kvjax.CompressionSpec(policy=args.policy, budget=args.budget)
   print(
       "| prompt tokens | prefill tok/s kvjax full | kvjax "
       f"{args.policy} {args.budget} | transformers | kvjax full speed / transformers | decode "
@@ -130,25 +152,33 @@ def main(argv=None):
         flush=True,
     )
 
+
+def _sequence(args, model, tok, ref, ids):
+  cache = "empty (--cold)" if args.cold else "as left by earlier runs"
   print(
       f"\nThe request sequence ({', '.join(map(str, SEQUENCE))} tokens, {args.new_tokens} new "
-      "tokens each, greedy), seconds per request:\n"
+      "tokens each, greedy), seconds in all (fastest-slowest request); JAX's "
+      f"persistent compilation cache {cache}:\n"
   )
-  print("| pass | kvjax full | kvjax compiles | transformers | kvjax / transformers |")
+  print(
+      "| pass | kvjax full | kvjax compiles (seconds) | transformers | kvjax / transformers |"
+  )
   print("|---|---:|---:|---:|---:|")
   rng = np.random.default_rng(0)
   starts = rng.integers(0, len(ids) - max(SEQUENCE), len(SEQUENCE))
   prompts = [ids[s : s + n] for s, n in zip(starts, SEQUENCE)]
   for name in ("first", "again"):
-    ours, theirs, compiles = [], [], 0
+    ours, theirs, compiles, compiling = [], [], 0, 0.0
     for prompt in prompts:
       start = time.perf_counter()
       result = kvjax.generate(model, tok, [prompt], max_new_tokens=args.new_tokens)
       ours.append(time.perf_counter() - start)
       compiles += result.stats["compiles"]
+      compiling += result.stats["compile_seconds"]
       theirs.append(_torch_generate(ref, prompt, args.new_tokens))
     print(
-        f"| {name} | {sum(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) | {compiles} "
+        f"| {name} | {sum(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) "
+        f"| {compiles} ({compiling:.1f}) "
         f"| {sum(theirs):.1f} ({min(theirs):.1f}-{max(theirs):.1f}) "
         f"| {sum(ours) / sum(theirs):.2f} |",
         flush=True,
