@@ -92,8 +92,8 @@ class CompressionSpec:
   fair: bool = _field(False, "every marked segment loses the same fraction of its tokens")
   prefill_chunk: int | None = _field(
       None,
-      "prompt tokens per prefill step (eviction runs after each chunk); default 256 with "
-      "eviction, 512 with a cache that evicts nothing (larger matmuls, fewer steps)",
+      "prompt tokens per prefill step (eviction runs after each chunk); default 256, or 512 "
+      "for a cache that evicts nothing and holds more than 2048 tokens (larger matmuls)",
   )
   attention_impl: str = _field(
       "auto",
@@ -298,13 +298,17 @@ class CompressionSpec:
     and no sequence is sized beyond the request (`longest + reserve`), so the pool never
     exceeds the full cache's.
     """
-    # Short prompts need no full-size chunk; powers of two bound the number of compilations.
-    chunk = self.prefill_chunk or (256 if self.evicts else 512)
-    chunk = min(chunk, 1 << (max(longest, 1) - 1).bit_length())
     ps = self.page_size
     dtype = self.kv_dtype or shape.dtype
+    capacity = capacity_bucket(longest + reserve, ps, shape.max_context)
+    # 512-token chunks run ~9% faster per token than 256 (larger matmuls) but pad the last
+    # chunk by 128 tokens more on average: worth it past 2048 tokens, and only without
+    # eviction (which runs after each chunk). The chunk follows the capacity bucket, so a
+    # bucket keeps one set of compiled steps; short prompts need no full-size chunk, and
+    # powers of two bound the number of compilations.
+    chunk = self.prefill_chunk or (512 if not self.evicts and capacity > 2048 else 256)
+    chunk = min(chunk, 1 << (max(longest, 1) - 1).bit_length())
     if not self.evicts:
-      capacity = capacity_bucket(longest + reserve, ps, shape.max_context)
       cfg = CacheConfig(
           page_size=ps, max_tokens=capacity, group_reduce=self.group_reduce, dtype=dtype
       )

@@ -160,9 +160,7 @@ def _sequence(args, model, tok, ref, ids):
       "tokens each, greedy), seconds in all (fastest-slowest request); JAX's "
       f"persistent compilation cache {cache}:\n"
   )
-  print(
-      "| pass | kvjax full | kvjax compiles (seconds) | transformers | kvjax / transformers |"
-  )
+  print("| pass | kvjax full | kvjax compiles (seconds) | transformers | kvjax / transformers |")
   print("|---|---:|---:|---:|---:|")
   rng = np.random.default_rng(0)
   starts = rng.integers(0, len(ids) - max(SEQUENCE), len(SEQUENCE))
