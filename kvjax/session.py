@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import math
 import os
 import pathlib
@@ -117,12 +118,12 @@ class DecodeResult:
 
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 _MAX_COMPILED = 16
-_COMPILE_STATS = {"compiles": 0, "compile_seconds": 0.0}
+_COMPILE_STATS = {"compiles": 0, "compile_seconds": 0.0, "evicted": 0}
 
 
 def compile_stats() -> dict:
   """Compilations made by kvjax's steps in this process, and the seconds they took."""
-  return dict(_COMPILE_STATS)
+  return {k: _COMPILE_STATS[k] for k in ("compiles", "compile_seconds")}
 
 
 def cache_dir() -> pathlib.Path:
@@ -173,6 +174,16 @@ def _compiled(fn, statics: dict, *args):
   _COMPILED[key] = compiled
   if len(_COMPILED) > _MAX_COMPILED:
     _COMPILED.popitem(last=False)
+    _COMPILE_STATS["evicted"] += 1
+    if _COMPILE_STATS["evicted"] % _MAX_COMPILED == 0:
+      # JAX keeps every executable it compiled in caches of its own. On CPU each holds
+      # ~450 memory maps of JIT code, and a process dies (LLVM cannot allocate section
+      # memory) at vm.max_map_count, 65530, after ~140 executables: a service that sees
+      # many shapes would crash. Clearing JAX's caches now and then (and collecting the
+      # cycles that hold the executables) frees what kvjax dropped; the steps kept here
+      # stay compiled.
+      jax.clear_caches()
+      gc.collect()
   return compiled
 
 

@@ -1,6 +1,8 @@
 """Prompt lengths map to a bounded set of compiled shapes (capacity buckets), and the
 full cache's attention reads only live pages."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,28 @@ def test_compiled_steps_persist_in_the_kvjax_cache_dir(tmp_path, setting):
   assert run.returncode == 0, run.stderr
   entries = list((tmp_path / "jax").glob("*")) if (tmp_path / "jax").exists() else []
   assert bool(entries) == (setting == "dir")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory maps")
+def test_steps_kvjax_drops_free_their_code(monkeypatch):
+  """JAX keeps every executable it compiled; on CPU each holds ~450 memory maps of JIT
+  code, and a process dies at vm.max_map_count (65530) after ~140 of them. kvjax keeps
+  `_MAX_COMPILED` steps and frees the rest, so a long run's maps stay bounded."""
+  from kvjax import session
+
+  monkeypatch.setattr(session, "_MAX_COMPILED", 2)
+  model, tok = tiny_llama(), ByteTokenizer()
+
+  def maps():
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+
+  counts = [maps()]
+  for i in range(8):  # 16 new steps: each budget is a new shape
+    spec = kvjax.CompressionSpec("h2o", budget=16 + 16 * i)
+    kvjax.generate(model, tok, [list(range(3, 40))], max_new_tokens=2, spec=spec)
+    counts.append(maps())
+  assert counts[1] - counts[0] > 500, counts  # two steps take maps (else this proves nothing)
+  # Kept: at most 2 steps, and 2 dropped ones before the next clear. Without freeing, the
+  # 14 later steps would add ~6000 maps.
+  assert max(counts[1:]) - counts[1] < 1500, counts
