@@ -93,6 +93,7 @@ def test_steps_kvjax_drops_free_their_code(monkeypatch):
   from kvjax import session
 
   monkeypatch.setattr(session, "_MAX_COMPILED", 2)
+  session._COMPILED.clear()  # start from no kept steps, whatever ran before
   model, tok = tiny_llama(), ByteTokenizer()
 
   def maps():
