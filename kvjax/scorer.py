@@ -30,21 +30,6 @@ FORMAT = "kvjax-learned-scorer/1"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def model_fingerprint(model) -> str:
-  """A digest of a model's architecture and weights: the parameter paths, shapes and dtypes
-  and the first values of every parameter. Same checkpoint, same fingerprint, in any
-  process; another model (or other weights) gives another one."""
-  from flax import nnx
-
-  digest = hashlib.sha256()
-  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-  for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
-    digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
-    head = np.asarray(jnp.ravel(leaf)[:1024], np.float32)
-    digest.update(np.round(head, 5).tobytes())  # rounded: identical across backends
-  return digest.hexdigest()[:32]
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Scorer:
   """A trained per-layer linear scorer (see the module docstring). Hashable by its weights,
@@ -97,6 +82,8 @@ class Scorer:
 
   def check_model(self, model) -> None:
     """ValueError unless `model` is the model this scorer was trained for."""
+    from kvjax.seam import model_fingerprint  # the seam imports the policies, which import this
+
     shape = (model.config.n_layers, model.config.n_kv_heads)
     if (
         shape != (self.num_layers, self.num_kv_heads)

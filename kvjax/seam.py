@@ -26,9 +26,11 @@ scratch that plugs in.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
@@ -181,3 +183,16 @@ def forward(
     if logits_at is not None:
       logits = logits[jnp.arange(b), logits_at]
   return logits, cache
+
+
+def model_fingerprint(model) -> str:
+  """A digest of a model's architecture and weights: the parameter paths, shapes and dtypes
+  and the first values of every parameter. Same checkpoint, same fingerprint, in any
+  process; another model (or other weights) gives another one."""
+  digest = hashlib.sha256()
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+  for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
+    digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
+    head = np.asarray(jnp.ravel(leaf)[:1024], np.float32)
+    digest.update(np.round(head, 5).tobytes())  # rounded: identical across backends
+  return digest.hexdigest()[:32]

@@ -19,8 +19,6 @@ import dataclasses
 import functools
 import gc
 import math
-import os
-import pathlib
 import time
 from collections.abc import Callable
 
@@ -39,6 +37,7 @@ from kvjax.cache import (
     logical_view,
     valid_mask,
 )
+from kvjax.config import cache_dir
 from kvjax.eviction import evict, protection_mask
 from kvjax.eviction import truncate as _truncate_cache
 from kvjax.policies import head_budgets
@@ -126,24 +125,15 @@ def compile_stats() -> dict:
   return {k: _COMPILE_STATS[k] for k in ("compiles", "compile_seconds")}
 
 
-def cache_dir() -> pathlib.Path:
-  """kvjax's cache directory: $KVJAX_CACHE_DIR, else ~/.cache/kvjax ($XDG_CACHE_HOME)."""
-  if os.environ.get("KVJAX_CACHE_DIR"):
-    return pathlib.Path(os.environ["KVJAX_CACHE_DIR"]).expanduser()
-  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-  return pathlib.Path(base) / "kvjax"
-
-
 @functools.cache
 def _use_persistent_cache() -> None:
   """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
   unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
   process loads its executables instead of compiling them again."""
-  if os.environ.get("KVJAX_CACHE_DIR", "").lower() == "off":
-    return
-  if jax.config.jax_compilation_cache_dir is not None:
-    return  # the user's own choice
-  path = cache_dir() / "jax"
+  root = cache_dir()
+  if root is None or jax.config.jax_compilation_cache_dir is not None:
+    return  # kvjax's caches are off, or the user chose a JAX cache directory
+  path = root / "jax"
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError:

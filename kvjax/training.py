@@ -23,7 +23,8 @@ import optax
 from flax import nnx
 
 from kvjax.eval._data import text_windows
-from kvjax.scorer import Scorer, model_fingerprint, normalise
+from kvjax.scorer import Scorer, normalise
+from kvjax.seam import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.spec import CompressionSpec
 

@@ -84,36 +84,50 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 class Llama(nnx.Module):
   """Decoder: `model.run(tokens, positions, kv_state, attend) -> (logits, kv_state)`."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-    """Random weights (tests and benchmarks); use `Llama.from_params` for checkpoints."""
+  def __init__(
+      self,
+      config: ModelConfig,
+      *,
+      rngs: nnx.Rngs | None = None,
+      dtype=jnp.float32,
+      params: dict[str, np.ndarray] | None = None,
+  ):
+    """Random weights from `rngs` (tests and benchmarks), or a checkpoint's canonical
+    `params` (`[out, in]` linear weights, as the loaders give them; `Llama.from_params`)."""
+    if (rngs is None) == (params is None):
+      raise ValueError("Llama needs rngs= (random weights) or params= (a checkpoint's), not both")
     self.config = config
     self.dtype = dtype
-    init = jax.nn.initializers.normal(0.02)
     c = config
-    self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.d_model), dtype))
+    init = jax.nn.initializers.normal(0.02)
+
+    def weight(name: str, shape: tuple[int, ...], norm: bool = False) -> nnx.Param:
+      if params is not None:
+        w = params[name]
+        return nnx.Param(jnp.asarray(w.T if w.ndim == 2 else w, dtype))  # [out, in] -> [in, out]
+      return nnx.Param(jnp.ones(shape, dtype) if norm else init(rngs.params(), shape, dtype))
+
+    self.embed = nnx.Param(
+        jnp.asarray(params["embed"], dtype)
+        if params is not None
+        else init(rngs.params(), (c.vocab_size, c.d_model), dtype)
+    )
     shapes = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if c.qkv_bias else {}))
     self.layers = nnx.List(
         [
             nnx.Dict(
                 {
-                    name: nnx.Param(
-                        jnp.ones(shape(c), dtype)
-                        if name in _NORMS
-                        else init(rngs.params(), shape(c), dtype)
-                    )
+                    name: weight(f"layers.{i}.{name}", shape(c), name in _NORMS)
                     for name, shape in shapes.items()
                 }
             )
-            for _ in range(c.n_layers)
+            for i in range(c.n_layers)
         ]
     )
-    self.final_norm = nnx.Param(jnp.ones((c.d_model,), dtype))
-    self.lm_head = (
-        None
-        if c.tie_embeddings
-        else nnx.Param(init(rngs.params(), (c.d_model, c.vocab_size), dtype))
-    )
-    self.inv_freq = RopeFrequencies(jnp.asarray(rope_inverse_frequencies(c)))
+    self.final_norm = weight("final_norm", (c.d_model,), norm=True)
+    self.lm_head = None if c.tie_embeddings else weight("lm_head", (c.d_model, c.vocab_size))
+    divisors = None if params is None else params.get("rope_freqs")
+    self.inv_freq = RopeFrequencies(jnp.asarray(rope_inverse_frequencies(c, divisors)))
 
   @classmethod
   def from_params(
@@ -121,25 +135,7 @@ class Llama(nnx.Module):
   ) -> "Llama":
     """Builds the model from canonical loader params (`[out, in]` linear weights)."""
     check_params(config, params, "params", optional=("rope_freqs",))
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
-    as_array = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    model.embed = nnx.Param(as_array(params["embed"]))
-    layer_names = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if config.qkv_bias else {}))
-    layers = []
-    for i in range(config.n_layers):
-      layer = {}
-      for name in layer_names:
-        w = params[f"layers.{i}.{name}"]
-        layer[name] = nnx.Param(as_array(w.T if w.ndim == 2 else w))  # [out, in] -> [in, out]
-      layers.append(nnx.Dict(layer))
-    model.layers = nnx.List(layers)
-    model.final_norm = nnx.Param(as_array(params["final_norm"]))
-    if not config.tie_embeddings:
-      model.lm_head = nnx.Param(as_array(params["lm_head"].T))
-    model.inv_freq = RopeFrequencies(
-        jnp.asarray(rope_inverse_frequencies(config, params.get("rope_freqs")))
-    )
-    return model
+    return cls(config, dtype=dtype, params=params)
 
   def rotate(self, x: Float[Array, "B T H D"], positions: Int[Array, "B T"]) -> Array:
     """x rotated by RoPE at `positions`, as `run` rotates q and k; a negative position undoes
@@ -210,9 +206,10 @@ class Llama(nnx.Module):
     return (h @ head).astype(jnp.float32), kv_state
 
 
-def load_llama(name_or_path: str = "smollm2-135m-instruct", dtype=jnp.float32):
-  """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir."""
+def load_llama(name_or_path: str = "smollm2-135m-instruct", dtype=jnp.float32, *, cache=True):
+  """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir;
+  `cache`: keep the converted weights in kvjax's cache directory (`models.load_model`)."""
   from models.registry import load_model
 
-  config, params, tokenizer = load_model(name_or_path)
+  config, params, tokenizer = load_model(name_or_path, cache=cache)
   return Llama.from_params(config, params, dtype), tokenizer

@@ -71,12 +71,37 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> ModelSourc
   )
 
 
-def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL):
-  """Resolve and load: (ModelConfig, float32 params, Tokenizer)."""
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool = True):
+  """Resolve and load: (ModelConfig, float32 params, Tokenizer).
+
+  With `cache`, the converted weights are kept in kvjax's cache directory
+  ($KVJAX_CACHE_DIR/weights, see `models.weight_cache`): the first load converts and
+  stores them, later loads read them back (several times faster for a quantised GGUF)."""
+  src = resolve_model(name_or_path)
+  root = _cache_root() if cache else None
+  if root is None:
+    return _convert(src)
+  from . import weight_cache
+
+  entry = weight_cache.entry_dir(root, src)
+  loaded = weight_cache.load(entry)
+  if loaded is None:
+    loaded = _convert(src)
+    weight_cache.store(entry, src, *loaded)
+  return loaded
+
+
+def _cache_root() -> Path | None:
+  from kvjax.config import cache_dir  # kvjax's one cache directory (a leaf module)
+
+  return cache_dir()
+
+
+def _convert(src: ModelSource):
+  """(ModelConfig, float32 params, Tokenizer) read from the source files."""
   from .gguf_loader import load_gguf
   from .tokenizer import Tokenizer
 
-  src = resolve_model(name_or_path)
   if src.kind == "gguf":
     config, params, metadata = load_gguf(src.path)
     return dataclasses.replace(config, name=src.name), params, Tokenizer.from_gguf(metadata)

@@ -125,6 +125,23 @@ class Tokenizer:
     )
 
   @classmethod
+  def from_json(
+      cls,
+      text: str,
+      *,
+      bos_id: int | None = None,
+      eos_ids: Sequence[int] = (),
+      chat_template: str | None = None,
+  ) -> Tokenizer:
+    """A tokenizer from its serialised `tokenizers` JSON (`self.tok.to_str()`)."""
+    return cls(
+        tokenizers.Tokenizer.from_str(text),
+        bos_id=bos_id,
+        eos_ids=eos_ids,
+        chat_template=chat_template,
+    )
+
+  @classmethod
   def from_file(
       cls,
       path: str | os.PathLike,

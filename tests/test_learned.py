@@ -7,7 +7,8 @@ import pytest
 
 import kvjax
 from kvjax import cli, policies, training
-from kvjax.scorer import Scorer, model_fingerprint
+from kvjax.scorer import Scorer
+from kvjax.seam import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 

@@ -1,0 +1,466 @@
+"""A session's state on disk: compress a context once, answer from it many times, in another
+process or on another day.
+
+    state = kvjax.prefill(model, [document_ids], spec, tokenizer=tokenizer)
+    kvjax.save_state("doc.kvjax", state, model, tokenizer=tokenizer, tokens=[document_ids])
+    ...                                                   # another process
+    state = kvjax.load_state("doc.kvjax", model, tokenizer=tokenizer)
+    state, result = kvjax.decode(model, kvjax.extend(model, state, [question_ids]), 32)
+
+A state directory keeps complete versions and names the current one:
+
+  DIR/CURRENT     the current version's name, replaced atomically (write + rename)
+  DIR/v<N>/       an orbax-checkpoint composite checkpoint (orbax writes it to a temporary
+                  directory and renames it when complete):
+    arrays/       StandardSave: the live pages only (k, v and the per-slot arrays, in page
+                  table order), the page table, lengths, logits, positions, sampling key
+    meta/         JsonSave: format, kvjax version, model and tokenizer fingerprints, the
+                  CompressionSpec and cache plan, the prefilled token ids, and a SHA-256
+                  digest of all of it and of every array
+
+A process killed while saving leaves CURRENT naming the previous complete version (or no
+CURRENT at all for a first save: nothing loads); the next save clears what it left. A load
+checks the digest, the format, the model, its dtype and the tokenizer before any array
+reaches the device: a corrupted or foreign checkpoint is a `ValueError`, never a state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import NULL_PAGE, PagedKVCache, PageTable, Slot
+from kvjax.config import CacheConfig
+from kvjax.policies import EvictionPlan, get_policy
+from kvjax.seam import ModelShape, model_fingerprint
+from kvjax.session import State
+from kvjax.spec import CachePlan, CompressionSpec
+
+FORMAT = "kvjax-state/1"
+CURRENT = "CURRENT"
+_VERSION = re.compile(r"v(\d+)")
+
+
+class StateFileError(ValueError):
+  """A state directory that cannot be loaded: missing, corrupted, or saved for another
+  model, dtype, tokenizer or kvjax format. The message names the mismatch."""
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+  """A digest of how a tokenizer maps text to ids: its serialised form when it has one (a
+  Hugging Face `tokenizers` object, as kvjax's `models.Tokenizer` wraps), else the ids of a
+  fixed probe text; plus its special ids and chat template."""
+  digest = hashlib.sha256()
+  inner = getattr(tokenizer, "tok", None)
+  if callable(getattr(inner, "to_str", None)):
+    digest.update(inner.to_str().encode())
+  else:
+    probe = "kvjax probe: The quick brown fox, 0123456789; naïve café 日本語 🙂\n\t<|end|>"
+    digest.update(json.dumps(list(tokenizer.encode(probe))).encode())
+  special = {
+      "bos": getattr(tokenizer, "bos_id", None),
+      "eos": list(getattr(tokenizer, "eos_ids", ()) or ()),
+      "chat_template": getattr(tokenizer, "chat_template", None),
+  }
+  digest.update(json.dumps(special, sort_keys=True).encode())
+  return digest.hexdigest()[:32]
+
+
+# ---- saving --------------------------------------------------------------------------------
+
+
+def save_state(
+    path: str | os.PathLike,
+    state: State,
+    model,
+    *,
+    tokenizer=None,
+    tokens=None,
+    info: dict | None = None,
+    overwrite: bool = False,
+) -> pathlib.Path:
+  """Writes `state` to directory `path`: only its live pages, with what a load checks.
+
+  Args:
+    state: a `kvjax.State` (from `prefill`, `extend` or `decode`).
+    model: the model the state was made with (its fingerprint is recorded).
+    tokenizer: recorded by fingerprint, so a load with another tokenizer is refused.
+    tokens: the token ids the state has read, per row (recorded; `state_info` returns them).
+    info: your own JSON-serialisable metadata (e.g. how the prompt was built).
+    overwrite: replace the state already saved at `path` (atomically: a reader or a crash
+      sees the old state or the new one, never a mixture).
+  Returns the directory.
+  """
+  if not isinstance(state, State):
+    raise TypeError(f"state must be a kvjax.State, got {type(state).__name__}")
+  path = pathlib.Path(path).absolute()
+  if path.exists():
+    if not path.is_dir():
+      raise FileExistsError(f"{path} exists and is not a directory")
+    if (path / CURRENT).exists():
+      if not overwrite:
+        raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
+    elif any(not _is_ours(p.name) for p in path.iterdir()):
+      raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
+  meta = _describe(state, model, tokenizer, tokens, info)
+  arrays = _live_arrays(state)
+  meta["cache"]["live_pages"] = int(arrays["k_pages"].shape[0])
+  meta["digest"] = _digest(meta, arrays)
+
+  import orbax.checkpoint as ocp
+
+  path.mkdir(parents=True, exist_ok=True)
+  name = f"v{1 + max(_versions(path), default=0)}"
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(  # a temporary directory, renamed to `name` once complete
+        path / name,
+        ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+    )
+  _write_atomically(path / CURRENT, name + "\n")
+  _remove_stale(path, keep=name)
+  return path
+
+
+def _describe(state: State, model, tokenizer, tokens, info) -> dict:
+  """The metadata of a state (everything but the arrays)."""
+  import kvjax
+
+  plan, cache = state.plan, state.cache
+  spec = plan.spec
+  if get_policy(spec.policy.name, scorer=spec.scorer) != spec.policy:
+    raise ValueError(
+        f"the state's policy {spec.policy!r} is not the registered policy "
+        f"{spec.policy.name!r} with default options: it cannot be saved by name"
+    )
+  shape = ModelShape.of(model)
+  if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
+      shape.n_layers,
+      shape.n_kv_heads,
+      shape.head_dim,
+  ):
+    raise ValueError(
+        f"the state's cache ({cache.num_layers} layers x {cache.num_kv_heads} kv heads x "
+        f"{cache.head_dim}) was not made by this model ({shape.n_layers} x {shape.n_kv_heads} "
+        f"x {shape.head_dim})"
+    )
+  position = np.asarray(state.position)
+  if tokens is not None:
+    tokens = [[int(t) for t in row] for row in tokens]
+    lengths = [len(row) for row in tokens]
+    if lengths != position.tolist():
+      raise ValueError(
+          f"tokens must be the ids each row has read: lengths {position.tolist()}, got {lengths}"
+      )
+  if info is not None:
+    if not isinstance(info, dict):
+      raise TypeError(f"info must be a dict, got {type(info).__name__}")
+    try:
+      json.dumps(info)
+    except TypeError as err:
+      raise TypeError(f"info must be JSON-serialisable: {err}") from None
+  eviction = plan.eviction
+  return {
+      "format": FORMAT,
+      "kvjax_version": kvjax.__version__,
+      "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "model": {
+          "name": getattr(model.config, "name", type(model).__name__),
+          "fingerprint": model_fingerprint(model),
+          **dataclasses.asdict(shape),
+      },
+      "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
+      "spec": spec.to_dict(),
+      "plan": {
+          "config": dataclasses.asdict(plan.config),
+          "chunk": plan.chunk,
+          "eviction": None
+          if eviction is None
+          else {
+              "layer_budget": list(eviction.layer_budget),
+              "per_head": eviction.per_head,
+              "fair": eviction.fair,
+              "evict": eviction.evict,
+              "impl": eviction.impl,
+          },
+      },
+      "cache": {
+          "num_pages": cache.num_pages,
+          "chunk": cache.chunk,
+          "slots": [[s.name, s.dtype, s.empty] for s in cache.slot_specs],
+          "extra": sorted(cache.extra),
+          "kv_dtype": cache.k_pages.dtype.name,
+          "kv_bytes": cache.kv_bytes(),
+      },
+      "key_impl": str(jax.random.key_impl(state.key)),
+      "batch_size": state.batch_size,
+      "position": position.tolist(),
+      "tokens": tokens,
+      "info": info,
+  }
+
+
+def _live_arrays(state: State) -> dict[str, np.ndarray]:
+  """The arrays to write: live pages in page-table order (the table renumbered to match,
+  1..n), and the state's small arrays."""
+  cache = state.cache
+  ps = cache.config.page_size
+  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
+  owned = np.arange(table.shape[-1]) < (-(-length // ps))[..., None]  # [L, B, H, M]
+  live_ids = jnp.asarray(table[owned])  # every live page once (no page is shared)
+  renumbered = np.zeros_like(table)
+  renumbered[owned] = np.arange(1, owned.sum() + 1, dtype=table.dtype)
+  take = lambda x: np.asarray(jnp.take(x, live_ids, axis=0))  # noqa: E731
+  arrays = {
+      "k_pages": take(cache.k_pages),
+      "v_pages": take(cache.v_pages),
+      "table": renumbered,
+      "length": length,
+      "status": np.asarray(cache.status),
+      "logits": np.asarray(state.logits),
+      "position": np.asarray(state.position),
+      "done": np.asarray(state.done),
+      "key": np.asarray(jax.random.key_data(state.key)),
+      "peak_pages": np.asarray(state.peak_pages),
+  }
+  arrays.update({f"slot.{name}": take(x) for name, x in cache.slots.items()})
+  arrays.update({f"extra.{name}": np.asarray(x) for name, x in cache.extra.items()})
+  return arrays
+
+
+def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
+  """SHA-256 of the metadata (without its digest) and of every array's name, dtype, shape
+  and bytes."""
+  digest = hashlib.sha256()
+  body = {k: v for k, v in meta.items() if k != "digest"}
+  digest.update(json.dumps(body, sort_keys=True).encode())
+  for name in sorted(arrays):
+    x = np.ascontiguousarray(arrays[name])
+    digest.update(f"{name}:{x.dtype.name}:{x.shape};".encode())
+    digest.update(x.tobytes())
+  return digest.hexdigest()
+
+
+def _is_ours(name: str) -> bool:
+  """Files a state directory may hold: CURRENT (and its temporary), versions, and orbax's
+  temporary directories of versions."""
+  return name.startswith(CURRENT) or _VERSION.match(name.split(".")[0]) is not None
+
+
+def _versions(path: pathlib.Path) -> list[int]:
+  return [int(m.group(1)) for p in path.iterdir() if (m := _VERSION.match(p.name.split(".")[0]))]
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+  """`text` in `path`, or the old file: a temporary file, flushed to disk, then renamed."""
+  temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+  with open(temporary, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+  directory = os.open(path.parent, os.O_RDONLY)
+  try:
+    os.fsync(directory)  # the rename itself survives a power cut
+  finally:
+    os.close(directory)
+
+
+def _remove_stale(path: pathlib.Path, keep: str) -> None:
+  """Removes older versions and what interrupted saves left (never other files)."""
+  for p in path.iterdir():
+    if p.name != CURRENT and p.name != keep and _is_ours(p.name):
+      if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+      else:
+        p.unlink(missing_ok=True)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def state_info(path: str | os.PathLike) -> dict:
+  """The metadata of a saved state (model, spec, tokens, sizes, your `info`), read without
+  its arrays; StateFileError when `path` holds no readable state."""
+  return _read_meta(_current(pathlib.Path(path).absolute()))
+
+
+def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
+  """The state saved at `path`, for `model` (and `tokenizer`, when the state recorded one).
+
+  Raises StateFileError (a ValueError) naming what is wrong: no state there, a corrupted or
+  truncated checkpoint (the digest does not match), another kvjax format, another model,
+  another dtype or another tokenizer. Nothing reaches the device before every check passed.
+  """
+  version = _current(pathlib.Path(path).absolute())
+  meta = _read_meta(version)
+  _check_compatible(meta, model, tokenizer, version)
+  arrays = _read_arrays(version, meta)
+  if _digest(meta, arrays) != meta.get("digest"):
+    raise StateFileError(
+        f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
+        "contents); save the state again"
+    )
+  return _rebuild(meta, arrays, version)
+
+
+def _current(path: pathlib.Path) -> pathlib.Path:
+  if not path.is_dir():
+    raise StateFileError(f"{path}: no saved kvjax state there (not a directory)")
+  try:
+    name = (path / CURRENT).read_text().strip()
+  except (FileNotFoundError, UnicodeDecodeError):
+    raise StateFileError(
+        f"{path}: not a saved kvjax state (no readable {CURRENT} file; an interrupted first "
+        "save leaves none)"
+    ) from None
+  if not _VERSION.fullmatch(name) or not (path / name).is_dir():
+    raise StateFileError(f"{path}: {CURRENT} names {name[:40]!r}, which is not a saved version")
+  return path / name
+
+
+def _read_meta(version: pathlib.Path) -> dict:
+  import orbax.checkpoint as ocp
+
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      meta = checkpointer.restore(version, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as err:  # noqa: BLE001 - orbax's many failure types, one message
+    raise StateFileError(f"{version}: unreadable metadata ({_short(err)})") from None
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    found = meta.get("format") if isinstance(meta, dict) else None
+    raise StateFileError(
+        f"{version}: state format {found!r} (kvjax {_get(meta, 'kvjax_version')}); this kvjax "
+        f"reads {FORMAT!r}: save the state again with this version"
+    )
+  return meta
+
+
+def _check_compatible(meta: dict, model, tokenizer, version: pathlib.Path) -> None:
+  """StateFileError naming the first mismatch between the saved state and this model."""
+  try:
+    saved = meta["model"]
+    shape = dataclasses.asdict(ModelShape.of(model))
+    name = getattr(model.config, "name", type(model).__name__)
+    dims = ("n_layers", "n_kv_heads", "head_dim", "vocab_size")
+    if any(saved[k] != shape[k] for k in dims):
+      have = lambda d: " x ".join(f"{d[k]} {k}" for k in dims)  # noqa: E731
+      raise StateFileError(
+          f"{version}: saved for model {saved['name']!r} ({have(saved)}), not for this model "
+          f"{name!r} ({have(shape)})"
+      )
+    if saved["dtype"] != shape["dtype"]:
+      raise StateFileError(
+          f"{version}: saved with a {saved['dtype']} model; this model is {shape['dtype']} "
+          f"(load it as {saved['dtype']}, or prefill again)"
+      )
+    fingerprint = model_fingerprint(model)
+    if saved["fingerprint"] != fingerprint:
+      raise StateFileError(
+          f"{version}: saved for model {saved['name']!r} with weights {saved['fingerprint'][:12]}"
+          f"; this model {name!r} has other weights ({fingerprint[:12]})"
+      )
+    if tokenizer is not None and meta["tokenizer"] is not None:
+      if tokenizer_fingerprint(tokenizer) != meta["tokenizer"]:
+        raise StateFileError(
+            f"{version}: saved with another tokenizer ({meta['tokenizer'][:12]}) than this one "
+            f"({tokenizer_fingerprint(tokenizer)[:12]})"
+        )
+  except (KeyError, TypeError) as err:
+    raise StateFileError(f"{version}: incomplete metadata ({_short(err)})") from None
+
+
+def _read_arrays(version: pathlib.Path, meta: dict) -> dict[str, np.ndarray]:
+  import orbax.checkpoint as ocp
+
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      arrays = checkpointer.restore(version, ocp.args.Composite(arrays=ocp.args.StandardRestore()))[
+          "arrays"
+      ]
+    return {name: np.asarray(x) for name, x in arrays.items()}
+  except Exception as err:  # noqa: BLE001 - truncated or missing files, one message
+    raise StateFileError(
+        f"{version}: unreadable arrays, the checkpoint is damaged ({_short(err)})"
+    ) from None
+
+
+def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -> State:
+  """The State of checked metadata and arrays: the pool of the saved size, its live pages
+  first (ids 1..n), the rest free, so the state has the shapes it was saved with and runs
+  the same compiled steps."""
+  try:
+    spec = CompressionSpec(**meta["spec"])
+  except (ValueError, TypeError, OSError) as err:
+    raise StateFileError(
+        f"{version}: its CompressionSpec does not load here ({_short(err)})"
+    ) from None
+  saved_plan, saved_cache = meta["plan"], meta["cache"]
+  config = CacheConfig(**saved_plan["config"])
+  eviction = saved_plan["eviction"]
+  if eviction is not None:
+    eviction = EvictionPlan(spec.policy, tuple(eviction.pop("layer_budget")), **eviction)
+  plan = CachePlan(config, eviction, saved_plan["chunk"], spec)
+  slot_specs = tuple(Slot(name, dtype, empty) for name, dtype, empty in saved_cache["slots"])
+  if eviction is not None:
+    missing = {s.name for s in spec.policy.slots} - {s.name for s in slot_specs}
+    if missing:
+      raise StateFileError(
+          f"{version}: policy {spec.policy.name!r} in this kvjax keeps slots {sorted(missing)} "
+          "that the saved state lacks (saved by another kvjax version); prefill again"
+      )
+  num_pages, live = saved_cache["num_pages"], saved_cache["live_pages"]
+
+  def pool(saved: np.ndarray, empty) -> jax.Array:
+    full = np.full((num_pages, *saved.shape[1:]), empty, saved.dtype)
+    full[1 : 1 + live] = saved
+    return jnp.asarray(full)
+
+  free = np.zeros(num_pages, np.int32)
+  num_free = num_pages - 1 - live
+  free[:num_free] = np.arange(num_pages - 1, live, -1)  # low ids popped first
+  cache = PagedKVCache(
+      k_pages=pool(arrays["k_pages"], 0),
+      v_pages=pool(arrays["v_pages"], 0),
+      slots={s.name: pool(arrays[f"slot.{s.name}"], s.empty) for s in slot_specs},
+      pages=PageTable(
+          table=jnp.asarray(arrays["table"]),
+          length=jnp.asarray(arrays["length"]),
+          free_pages=jnp.asarray(free),
+          num_free=jnp.asarray(np.int32(num_free)),
+          status=jnp.asarray(arrays["status"]),
+      ),
+      config=config,
+      slot_specs=slot_specs,
+      chunk=saved_cache["chunk"],
+      extra={name: jnp.asarray(arrays[f"extra.{name}"]) for name in saved_cache["extra"]},
+  )
+  assert int(arrays["table"].max(initial=NULL_PAGE)) == live  # the digest vouched for this
+  return State(
+      cache=cache,
+      logits=jnp.asarray(arrays["logits"]),
+      position=jnp.asarray(arrays["position"]),
+      done=jnp.asarray(arrays["done"]),
+      key=jax.random.wrap_key_data(jnp.asarray(arrays["key"]), impl=meta["key_impl"]),
+      peak_pages=jnp.asarray(arrays["peak_pages"]),
+      plan=plan,
+  )
+
+
+def _get(meta, key):
+  return meta.get(key) if isinstance(meta, dict) else None
+
+
+def _short(err: Exception) -> str:
+  """An exception as one short line."""
+  text = " ".join(str(err).split()) or type(err).__name__
+  return text if len(text) <= 200 else text[:197] + "..."
