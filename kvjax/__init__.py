@@ -7,6 +7,7 @@ The session API (any model with the seam of `kvjax.seam`):
     state, result = kvjax.decode(model, state, max_new_tokens=32)
     state = kvjax.extend(model, state, follow_ups)
     a, b = kvjax.fork(state, 2)
+    kvjax.save_state("doc.kvjax", state, model)     # orbax; kvjax.load_state in any process
 
 `kvjax.generate` does prefill + decode in one call; the cache primitives below (`init_cache`,
 `append`, `evict`) are the layer underneath.
@@ -28,6 +29,7 @@ from kvjax.cache import (
 )
 from kvjax.config import CacheConfig
 from kvjax.eviction import evict, protection_mask
+from kvjax.persistence import StateFileError, load_state, save_state, state_info
 from kvjax.generation import Generation, GenerationResult, TokenEvent, generate
 from kvjax.prompts import Segment
 from kvjax.seam import ModelShape
@@ -58,6 +60,7 @@ __all__ = [
     "Sampling",
     "Segment",
     "Slot",
+    "StateFileError",
     "State",
     "Status",
     "TokenEvent",
@@ -71,9 +74,12 @@ __all__ = [
     "fork",
     "generate",
     "init_cache",
+    "load_state",
     "logical_view",
     "prefill",
     "protection_mask",
     "read_sequence",
+    "save_state",
+    "state_info",
     "valid_mask",
 ]

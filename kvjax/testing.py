@@ -51,10 +51,11 @@ class ByteTokenizer:
     return bytes(max(i - 3, 0) for i in ids).decode(errors="replace")
 
 
-def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0):
+def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0, dtype="float32"):
   """A random GQA Llama (d_model 32, 4 query / 2 kv heads, head_dim 8) for tests; weights
   from numpy, so building one compiles nothing. Its attention is near uniform (logits near
-  0); `qk_scale` (e.g. 20) scales the q and k weights so that it is not."""
+  0); `qk_scale` (e.g. 20) scales the q and k weights so that it is not. `dtype`: the
+  parameters' dtype."""
   from models import ModelConfig
   from models.llama import Llama
 
@@ -77,7 +78,7 @@ def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0
   for name in params:
     if name.endswith((".wq", ".wk")):
       params[name] = params[name] * qk_scale
-  return Llama.from_params(config, params)
+  return Llama.from_params(config, params, dtype=dtype)
 
 
 def assert_compressed_once(state, context_length: int, *, row: int = 0) -> None:

@@ -4,7 +4,8 @@ Stable API (other tools call it):
 
 - `fidelity`, `continuation_logits`, `compare_predictions`: full vs compressed cache on the
   same text (KL, top-1 agreement, perplexities);
-- `answer`: a greedy answer to a question about a compressed context;
+- `answer`: a greedy answer to a question about a compressed context; `context_prompt` and
+  `answer_from_state`: the same in two steps, around a state kept or saved in between;
 - tasks `passkey`, `multi_question` (one compressed context, several questions),
   `perplexity`, `instruction_retention`, `windowed_fidelity`;
 - `bench` / `decode_cost`: KV bytes, prefill seconds, decode ms/token, eviction share;
@@ -23,6 +24,8 @@ from kvjax.eval._sweep import TASKS, bench
 from kvjax.eval._sweep import run as run_sweep
 from kvjax.eval._tasks import (
     answer,
+    answer_from_state,
+    context_prompt,
     instruction_retention,
     multi_question,
     passkey,
@@ -36,8 +39,10 @@ __all__ = [
     "SCHEMA",
     "TASKS",
     "answer",
+    "answer_from_state",
     "bench",
     "compare_predictions",
+    "context_prompt",
     "continuation_logits",
     "decode_cost",
     "default_text",

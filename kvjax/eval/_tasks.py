@@ -90,14 +90,35 @@ def _prefill_context(
   """The state after the chat template's opening and `context_ids` are prefilled and
   compressed, ready for any of `questions` (ids): the budget is resolved against the
   request for the longest one, and the cache keeps room for it and the answer."""
-  opening, _ = _chat_parts(tokenizer, chat)
   longest = max(map(len, questions))
   spec = _at_budget(spec, _request_tokens(tokenizer, context_ids, questions, chat))
-  # The template's own tokens are protected: only the context competes for the budget.
-  context = [Segment(opening, protected=True), Segment(list(context_ids))]
   return prefill(
-      model, [context], spec, tokenizer=tokenizer, reserve=longest + max_new_tokens, seed=seed
+      model,
+      [context_prompt(tokenizer, context_ids, chat)],
+      spec,
+      tokenizer=tokenizer,
+      reserve=longest + max_new_tokens,
+      seed=seed,
   )
+
+
+def context_prompt(tokenizer, context_ids: Sequence[int], chat: bool = True) -> list[Segment]:
+  """The prompt a context is prefilled as, before any question: the chat template's opening
+  (protected: only the context competes for the budget) and the context's ids."""
+  opening, _ = _chat_parts(tokenizer, chat)
+  return [Segment(opening, protected=True), Segment(list(context_ids))]
+
+
+def answer_from_state(
+    model, tokenizer, state, question: str, *, max_new_tokens: int = 32, chat: bool = True
+) -> str:
+  """Greedy answer to `question` about the context a state holds (prefilled as
+  `context_prompt`, e.g. loaded with `kvjax.load_state`); `state` stays valid, so one
+  compressed context answers many questions."""
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError("question must be a non-empty string")
+  question_ids = _question_ids(tokenizer, question, chat)
+  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=False)[0]
 
 
 def _ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):

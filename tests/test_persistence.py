@@ -1,0 +1,328 @@
+"""Saved states (`kvjax.save_state` / `load_state`): round trips in another process, only
+live pages on disk, refusal of anything that is not exactly what was saved, and crashes
+while saving that leave the old state or the new one."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import persistence
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+
+# orbax leaves an asyncio callback behind when a restore of damaged files fails.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+SPECS = {
+    "full": kvjax.CompressionSpec(),
+    "h2o": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2),
+    "kvzip": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2),
+}
+# The model both processes build: same seed, same weights.
+MODEL = dict(max_context=512, qk_scale=20.0)
+CONTEXT = np.random.default_rng(0).integers(3, 250, 300).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_llama(**MODEL)
+
+
+@pytest.fixture(scope="module")
+def states(model):
+  return {name: kvjax.prefill(model, [CONTEXT], spec) for name, spec in SPECS.items()}
+
+
+def _one_line_error(err: pytest.ExceptionInfo, *words: str):
+  message = str(err.value)
+  assert "\n" not in message, message
+  for word in words:
+    assert word in message, message
+
+
+def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model, states, tmp_path):
+  for name, state in states.items():
+    path = kvjax.save_state(tmp_path / name, state, model, tokens=[CONTEXT], info={"n": 1})
+    loaded = kvjax.load_state(path, model)
+    assert_cache_invariants(loaded.cache)
+    assert loaded.plan == state.plan and loaded.cache.num_pages == state.cache.num_pages
+    assert loaded.kv_bytes() == state.kv_bytes()
+    np.testing.assert_array_equal(loaded.logits, state.logits)
+    np.testing.assert_array_equal(loaded.cache.length, state.cache.length)
+    info = kvjax.state_info(path)
+    assert info["tokens"] == [CONTEXT] and info["info"] == {"n": 1}
+    live = int(np.asarray(state.cache.pages_in_use()).sum())
+    assert info["cache"]["live_pages"] == live < state.cache.num_pages - 1
+    # Only the live pages are written: the K/V arrays on disk hold `live` pages.
+    arrays = persistence._read_arrays(persistence._current(path), info)
+    assert arrays["k_pages"].shape == (live, *state.cache.k_pages.shape[1:])
+    # Each sequence's live tokens, in order, are the saved state's.
+    for layer, row, head in [(0, 0, 0), (1, 0, 1)]:
+      for a, b in zip(
+          kvjax.read_sequence(loaded.cache, layer, row, head),
+          kvjax.read_sequence(state.cache, layer, row, head),
+      ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_compressed_state_takes_its_share_of_the_full_cache_on_disk(model, states, tmp_path):
+  def kv_on_disk(name):
+    path = kvjax.save_state(tmp_path / name, states[name], model)
+    files = (persistence._current(path) / "arrays").rglob("*")
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+  # kvzip keeps 25% of the tokens: its state is well under half the full cache's on disk
+  # (what remains above 25% is partly filled pages and orbax's per-array metadata).
+  assert kv_on_disk("kvzip") < 0.5 * kv_on_disk("full")
+
+
+_CONTINUE = """
+import json, sys
+import kvjax
+from kvjax.testing import tiny_llama
+model = tiny_llama(**json.loads(sys.argv[1]))
+out = {}
+for name in sys.argv[3:]:
+  state = kvjax.load_state(f"{sys.argv[2]}/{name}", model)
+  state = kvjax.extend(model, state, [[5, 6, 7, 8]])
+  out[name] = kvjax.decode(model, state, 12)[1].tokens
+print(json.dumps(out))
+"""
+
+
+def test_a_state_saved_here_continues_identically_in_another_process(model, states, tmp_path):
+  expected = {}
+  for name, state in states.items():
+    kvjax.save_state(tmp_path / name, state, model)
+    state = kvjax.extend(model, state, [[5, 6, 7, 8]])
+    expected[name] = kvjax.decode(model, state, 12)[1].tokens
+  out = subprocess.run(
+      [sys.executable, "-c", _CONTINUE, json.dumps(MODEL), str(tmp_path), *states],
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.splitlines()[-1]) == expected
+
+
+def test_a_state_is_refused_by_another_model_dtype_tokenizer_or_format(
+    model, states, tmp_path, monkeypatch
+):
+  state = states["h2o"]
+  path = kvjax.save_state(tmp_path / "s", state, model, tokenizer=ByteTokenizer())
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, tiny_llama(**MODEL, seed=1))
+  _one_line_error(err, "other weights")
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, tiny_llama(**MODEL, n_layers=3))
+  _one_line_error(err, "3 n_layers")
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, tiny_llama(**MODEL, dtype="bfloat16"))
+  _one_line_error(err, "float32 model", "bfloat16")
+
+  class OtherTokenizer(ByteTokenizer):
+    eos_ids = (1,)
+
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, model, tokenizer=OtherTokenizer())
+  _one_line_error(err, "another tokenizer")
+  kvjax.load_state(path, model, tokenizer=ByteTokenizer())  # the right one loads
+  monkeypatch.setattr(persistence, "FORMAT", "kvjax-state/0")
+  old = kvjax.save_state(tmp_path / "old", state, model)
+  monkeypatch.undo()
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(old, model)
+  _one_line_error(err, "kvjax-state/0", persistence.FORMAT)
+
+
+def test_damaged_checkpoints_are_refused_never_loaded(model, states, tmp_path):
+  state = states["kvzip"]
+  rng = random.Random(0)
+  damages = []
+  for trial in range(6):  # bytes flipped at random places of the metadata
+    path = kvjax.save_state(tmp_path / f"flip{trial}", state, model)
+    meta = next(f for f in (persistence._current(path) / "meta").rglob("*") if f.is_file())
+    data = bytearray(meta.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    meta.write_bytes(bytes(data))
+    damages.append(path)
+  path = kvjax.save_state(tmp_path / "truncated", state, model)
+  files = [f for f in (persistence._current(path) / "arrays").rglob("*") if f.is_file()]
+  largest = max(files, key=lambda f: f.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+  damages.append(path)
+  path = kvjax.save_state(tmp_path / "pointer", state, model)
+  (path / persistence.CURRENT).write_text("../elsewhere")
+  damages.append(path)
+  (tmp_path / "empty").mkdir()
+  damages.append(tmp_path / "empty")
+  for path in damages:
+    with pytest.raises(kvjax.StateFileError) as err:
+      kvjax.load_state(path, model)
+    _one_line_error(err, str(path.name))
+
+
+def test_saving_refuses_to_overwrite_or_write_into_other_files(model, states, tmp_path):
+  path = kvjax.save_state(tmp_path / "s", states["full"], model)
+  with pytest.raises(FileExistsError, match="overwrite=True"):
+    kvjax.save_state(path, states["h2o"], model)
+  kvjax.save_state(path, states["h2o"], model, overwrite=True)
+  assert kvjax.state_info(path)["spec"]["policy"] == "h2o"
+  assert sorted(p.name for p in path.iterdir()) == ["CURRENT", "v2"]  # v1 removed
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep me")
+  with pytest.raises(FileExistsError, match="other files"):
+    kvjax.save_state(tmp_path / "mine", states["full"], model)
+  with pytest.raises(ValueError, match="tokens must be the ids"):
+    kvjax.save_state(tmp_path / "t", states["full"], model, tokens=[CONTEXT[:-1]])
+  with pytest.raises(TypeError, match="JSON"):
+    kvjax.save_state(tmp_path / "t", states["full"], model, info={"x": object()})
+
+
+@pytest.mark.parametrize("crash_at", ["orbax", "pointer", "cleanup"])
+def test_a_save_that_fails_part_way_leaves_the_old_state_or_the_new(
+    model, states, tmp_path, monkeypatch, crash_at
+):
+  path = kvjax.save_state(tmp_path / "s", states["full"], model)
+
+  def crash(*args, **kwargs):
+    raise KeyboardInterrupt  # as a kill would stop it, between two steps
+
+  import orbax.checkpoint as ocp
+
+  target = {
+      "orbax": (ocp.Checkpointer, "save"),  # before the new version is complete
+      "pointer": (persistence, "_write_atomically"),  # complete, CURRENT not switched yet
+      "cleanup": (persistence, "_remove_stale"),  # switched, the old version still there
+  }[crash_at]
+  monkeypatch.setattr(*target, crash)
+  with pytest.raises(KeyboardInterrupt):
+    kvjax.save_state(path, states["h2o"], model, overwrite=True)
+  monkeypatch.undo()
+  expected = "h2o" if crash_at == "cleanup" else "full"
+  loaded = kvjax.load_state(path, model)
+  assert loaded.spec.policy.name == expected
+  kvjax.save_state(path, states["kvzip"], model, overwrite=True)  # and saving goes on
+  assert kvjax.load_state(path, model).spec.policy.name == "kvzip"
+  assert sorted(p.name for p in path.iterdir())[0] == "CURRENT" and len(list(path.iterdir())) == 2
+
+
+_SAVE_FOREVER = """
+import json, sys
+import kvjax
+from kvjax.testing import tiny_llama
+model = tiny_llama(**json.loads(sys.argv[1]))
+ids = json.loads(sys.argv[3])
+states = [kvjax.prefill(model, [ids[:n]], kvjax.CompressionSpec()) for n in (200, 300)]
+kvjax.save_state(sys.argv[2], states[0], model, overwrite=True)
+print("ready", flush=True)
+i = 1
+while True:
+  kvjax.save_state(sys.argv[2], states[i % 2], model, overwrite=True)
+  i += 1
+"""
+
+
+def _kill_while_saving(tmp_path, model, trials: int):
+  references = {
+      n: kvjax.prefill(model, [CONTEXT[:n]], kvjax.CompressionSpec()).logits for n in (200, 300)
+  }
+  rng = random.Random(1)
+  seen = set()
+  for trial in range(trials):
+    path = tmp_path / f"trial{trial}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SAVE_FOREVER, json.dumps(MODEL), str(path), json.dumps(CONTEXT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+      assert proc.stdout.readline().strip() == "ready"
+      time.sleep(rng.uniform(0.0, 1.5))
+    finally:
+      os.kill(proc.pid, signal.SIGKILL)
+      proc.wait()
+    loaded = kvjax.load_state(path, model)  # the old state or the new one, never neither
+    n = int(loaded.position[0])
+    np.testing.assert_array_equal(loaded.logits, references[n])
+    seen.add(n)
+  return seen
+
+
+def test_killing_a_process_while_it_saves_leaves_a_state_that_loads(model, tmp_path):
+  _kill_while_saving(tmp_path, model, trials=3)
+
+
+@pytest.mark.slow
+def test_twenty_kills_while_saving_each_leave_the_old_or_the_new_state(model, tmp_path):
+  assert _kill_while_saving(tmp_path, model, trials=20) == {200, 300}
+
+
+def test_cli_prefill_saves_a_state_that_ask_answers_from(tmp_path):
+  """The real model, end to end: a context saved once, two questions from the saved state
+  in another process, the same answers as from the state before it was saved."""
+  context = tmp_path / "context.txt"
+  context.write_text("My name is Ada and my cat is called Pixel. " * 4)
+  save = tmp_path / "state"
+  run = lambda *argv: subprocess.run(  # noqa: E731
+      [sys.executable, "-m", "kvjax.cli", *argv], capture_output=True, text=True, timeout=600
+  )
+  out = run("prefill", "--context", str(context), "--save", str(save), "--json")
+  assert out.returncode == 0, out.stderr
+  stats = json.loads(out.stdout)["stats"]
+  assert stats["context_tokens"] > 40 and stats["disk_bytes"] > 0
+  questions = tmp_path / "q.jsonl"
+  questions.write_text(
+      "\n".join(json.dumps({"question": q}) for q in ["What is my cat called?", "Who am I?"])
+  )
+  out = run("ask", str(save), "--jsonl", str(questions), "--json", "--max-new-tokens", "12")
+  assert out.returncode == 0, out.stderr
+  answers = [json.loads(line) for line in out.stdout.splitlines()]
+  assert [a["question"] for a in answers] == ["What is my cat called?", "Who am I?"]
+  assert "Pixel" in answers[0]["answer"]
+  assert all(a["load_seconds"] > 0 and a["answer_seconds"] > 0 for a in answers)
+  assert "loaded the state of" in out.stderr
+  out = run("prefill", "--context", str(context), "--save", str(save))
+  assert out.returncode == 2 and "--overwrite" in out.stderr
+
+
+def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+  """The default model: the first load stores its converted weights, a later load reads
+  them (same parameters, same tokenizer); a damaged entry is converted again."""
+  import jax
+
+  from models import registry, weight_cache
+  from models.llama import load_llama
+
+  monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
+  calls = []
+  convert = registry._convert
+  monkeypatch.setattr(registry, "_convert", lambda src: calls.append(src) or convert(src))
+  first, tok_first = load_llama()
+  second, tok_second = load_llama()
+  assert len(calls) == 1  # converted once
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a, b)
+  text = "Hello wörld, 日本語 🙂 <|im_end|>"
+  assert tok_first.encode(text) == tok_second.encode(text)
+  assert tok_first.chat_template == tok_second.chat_template
+  assert tok_first.eos_ids == tok_second.eos_ids
+  entry = weight_cache.entry_dir(tmp_path, registry.resolve_model())
+  files = [f for f in (entry / "params").rglob("*") if f.is_file()]
+  largest = max(files, key=lambda f: f.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:100])
+  with pytest.warns(UserWarning, match="damaged weight cache"):
+    third, _ = load_llama()
+  assert len(calls) == 2
+  np.testing.assert_array_equal(third.embed[...], first.embed[...])
