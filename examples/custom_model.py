@@ -121,10 +121,15 @@ class TinyDecoder(nnx.Module):
 
 
 def plain_greedy(model: TinyDecoder, ids: list[int], n: int) -> list[int]:
-  """n greedy tokens with the model's own attention (the whole sequence each step)."""
+  """n greedy tokens with the model's own attention (the whole sequence each step, padded
+  to one length so that it compiles once: causal attention ignores the padding after the
+  last token)."""
+  forward = nnx.jit(lambda model, tokens: model(tokens))
+  width = len(ids) + n
   out = list(ids)
   for _ in range(n):
-    out.append(int(jnp.argmax(model(jnp.asarray([out]))[0, -1])))
+    padded = jnp.asarray([out + [0] * (width - len(out))])
+    out.append(int(jnp.argmax(forward(model, padded)[0, len(out) - 1])))
   return out[len(ids) :]
 
 

@@ -310,7 +310,15 @@ def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
         f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
         "contents); save the state again"
     )
-  return _rebuild(meta, arrays, version)
+  try:
+    return _rebuild(meta, arrays, version)
+  except StateFileError:
+    raise
+  except (KeyError, TypeError, ValueError) as err:
+    raise StateFileError(
+        f"{version}: its metadata does not describe a state this kvjax can rebuild "
+        f"({type(err).__name__}: {_short(err)})"
+    ) from None
 
 
 def _current(path: pathlib.Path) -> pathlib.Path:
@@ -408,7 +416,8 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
   config = CacheConfig(**saved_plan["config"])
   eviction = saved_plan["eviction"]
   if eviction is not None:
-    eviction = EvictionPlan(spec.policy, tuple(eviction.pop("layer_budget")), **eviction)
+    options = {k: v for k, v in eviction.items() if k != "layer_budget"}
+    eviction = EvictionPlan(spec.policy, tuple(eviction["layer_budget"]), **options)
   plan = CachePlan(config, eviction, saved_plan["chunk"], spec)
   slot_specs = tuple(Slot(name, dtype, empty) for name, dtype, empty in saved_cache["slots"])
   if eviction is not None:
@@ -419,6 +428,8 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
           "that the saved state lacks (saved by another kvjax version); prefill again"
       )
   num_pages, live = saved_cache["num_pages"], saved_cache["live_pages"]
+  if int(arrays["table"].max(initial=NULL_PAGE)) != live or arrays["k_pages"].shape[0] != live:
+    raise StateFileError(f"{version}: its page table does not match its {live} saved pages")
 
   def pool(saved: np.ndarray, empty) -> jax.Array:
     full = np.full((num_pages, *saved.shape[1:]), empty, saved.dtype)
@@ -444,7 +455,6 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
       chunk=saved_cache["chunk"],
       extra={name: jnp.asarray(arrays[f"extra.{name}"]) for name in saved_cache["extra"]},
   )
-  assert int(arrays["table"].max(initial=NULL_PAGE)) == live  # the digest vouched for this
   return State(
       cache=cache,
       logits=jnp.asarray(arrays["logits"]),

@@ -2,7 +2,7 @@
 
     python -m kvjax.benchmarks.decode_step [--context 8192] [--budget 1024] [--steps 32]
 
-On the default model, prefills `--context - --steps` tokens of text (so that the context and
+On the default model, prefills `--context - --steps - 1` tokens of text (so that the context and
 the decode steps fit the model's window) under each policy at `--budget` tokens per
 sequence, then times `--steps` greedy decode steps (`kvjax.eval._cost.decode_cost`): median
 decode ms/token, its ratio to the full cache, and eviction's share of a step, amortised over
@@ -48,7 +48,10 @@ def main(argv=None):
     parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
 
   model, tokenizer = models.load_llama()
-  ids, source = tokenizer.encode(default_text())[: args.context - args.steps], DEFAULT_TEXT_SOURCE
+  ids, source = (
+      tokenizer.encode(default_text())[: args.context - args.steps - 1],
+      DEFAULT_TEXT_SOURCE,
+  )
   print(
       f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32; "
       f"context {len(ids)} tokens ({source}) + {args.steps} decode steps, budget {args.budget} "

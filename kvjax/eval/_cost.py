@@ -58,10 +58,10 @@ def decode_cost(
   _check_positive_int("decode_steps", decode_steps)
   _check_positive_int("repeats", repeats)
   n = len(ids)
-  if n + decode_steps > shape_context:
+  if n + decode_steps + 1 > shape_context:  # + 1: the step-by-step pass warms up on one more
     raise ValueError(
-        f"context_ids ({n} tokens) + decode_steps ({decode_steps}) exceeds the model context "
-        f"{shape_context}"
+        f"context_ids ({n} tokens) + decode_steps ({decode_steps}) + 1 exceeds the model "
+        f"context {shape_context}"
     )
   compiled = compile_stats()
   start = time.perf_counter()
