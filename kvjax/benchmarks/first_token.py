@@ -6,15 +6,14 @@ Each run is a new Python process that imports its library, loads the default mod
 GGUF (kvjax: Flax NNX float32; transformers: `AutoModelForCausalLM`, float32, sdpa) and
 answers one short prompt (the same token ids) with one greedy token. The time runs from
 spawning the process to the token being on the host; the peak is the process's maximum
-resident set (`wait4`). Runs alternate A B A B; medians. kvjax runs once beforehand so
-that JAX's persistent compilation cache (`$KVJAX_CACHE_DIR/jax`) holds its executables:
-the case of any second run on a machine. Prints markdown.
+resident set (VmHWM). Runs alternate A B A B; medians. kvjax runs once beforehand so
+that JAX's persistent compilation cache (`$KVJAX_CACHE_DIR/jax`) holds its executables and
+its weight cache the converted weights: the case of any second run on a machine. Prints markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,8 @@ import tempfile
 import time
 
 # Each child gets the prompt's token ids (argv[1], comma-separated) and prints
-# "<loaded time> <first-token time> <token>".
+# "<loaded time> <first-token time> <token> <peak RSS KiB>". The peak is the child's own
+# VmHWM: `wait4`'s ru_maxrss would start from the parent's RSS at fork.
 _KVJAX = """
 import sys, time
 import kvjax
@@ -31,7 +31,9 @@ ids = [int(i) for i in sys.argv[1].split(",")]
 model, tok = load_llama()
 loaded = time.time()
 result = kvjax.generate(model, tok, [ids], max_new_tokens=1)
-print(loaded, time.time(), result.tokens[0][0])
+first = time.time()
+peak = [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(loaded, first, result.tokens[0][0], peak)
 """
 
 _TRANSFORMERS = """
@@ -49,7 +51,9 @@ ref = transformers.AutoModelForCausalLM.from_pretrained(
 loaded = time.time()
 with torch.no_grad():
   out = ref.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)
-print(loaded, time.time(), int(out[0, -1]))
+first = time.time()
+peak = [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(loaded, first, int(out[0, -1]), peak)
 """
 
 
@@ -64,17 +68,16 @@ def _run(code: str, ids: list[int]) -> dict:
         text=True,
     )
     out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # reaps the child: its own peak RSS
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.wait()
     if proc.returncode != 0:
       err.seek(0)
       raise RuntimeError(f"benchmark process failed:\n{err.read()[-2000:]}")
-  loaded, first, token = out.split()[-3:]
+  loaded, first, token, peak = out.split()[-4:]
   return {
       "load": float(loaded) - start,
       "first": float(first) - start,
       "token": int(token),
-      "rss": usage.ru_maxrss / 1024,  # KiB on Linux
+      "rss": int(peak) / 1024,
   }
 
 
@@ -83,9 +86,13 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--prompt", default="The capital of France is")
   args = parser.parse_args(argv)
-  from models.llama import load_llama
+  from models.gguf_loader import open_gguf, read_metadata
+  from models.registry import resolve_model
+  from models.tokenizer import Tokenizer
 
-  ids = load_llama()[1].encode(args.prompt)
+  # The tokenizer alone: a parent holding the model would make nothing else slower, but
+  # its children would start from its memory.
+  ids = Tokenizer.from_gguf(read_metadata(open_gguf(resolve_model().path))).encode(args.prompt)
   _run(_KVJAX, ids)  # fills the persistent compilation cache
   runs = {"kvjax": [], "transformers": []}
   for _ in range(args.repeats):
