@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pathlib
 
 import jax.numpy as jnp
@@ -16,14 +15,10 @@ GROUP_REDUCTIONS = ("mean", "sum", "max")
 def cache_dir() -> pathlib.Path | None:
   """kvjax's cache directory (compiled steps, converted weights): $KVJAX_CACHE_DIR, else
   kvjax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache); None when
-  KVJAX_CACHE_DIR=off."""
-  chosen = os.environ.get("KVJAX_CACHE_DIR", "")
-  if chosen.lower() == "off":
-    return None
-  if chosen:
-    return pathlib.Path(chosen).expanduser()
-  base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-  return pathlib.Path(base) / "kvjax"
+  KVJAX_CACHE_DIR=off. Defined with the model loaders, which import nothing of kvjax."""
+  from models.registry import _cache_root
+
+  return _cache_root()
 
 
 def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:

@@ -49,6 +49,8 @@ from kvjax.spec import CachePlan, CompressionSpec
 FORMAT = "kvjax-state/1"
 CURRENT = "CURRENT"
 _VERSION = re.compile(r"v(\d+)")
+# What a state directory may hold: CURRENT (and its temporary), versions, orbax temporaries.
+_OURS = re.compile(r"CURRENT(\.tmp-\d+)?|v\d+(\.orbax-checkpoint-tmp-.*)?")
 
 
 class StateFileError(ValueError):
@@ -112,7 +114,8 @@ def save_state(
         raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
     elif any(not _is_ours(p.name) for p in path.iterdir()):
       raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
-  meta = _describe(state, model, tokenizer, tokens, info)
+  # As JSON gives it back (string keys, lists): the digest must match what a load reads.
+  meta = json.loads(json.dumps(_describe(state, model, tokenizer, tokens, info)))
   arrays = _live_arrays(state)
   meta["cache"]["live_pages"] = int(arrays["k_pages"].shape[0])
   meta["digest"] = _digest(meta, arrays)
@@ -253,11 +256,15 @@ def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
 def _is_ours(name: str) -> bool:
   """Files a state directory may hold: CURRENT (and its temporary), versions, and orbax's
   temporary directories of versions."""
-  return name.startswith(CURRENT) or _VERSION.match(name.split(".")[0]) is not None
+  return _OURS.fullmatch(name) is not None
 
 
 def _versions(path: pathlib.Path) -> list[int]:
-  return [int(m.group(1)) for p in path.iterdir() if (m := _VERSION.match(p.name.split(".")[0]))]
+  return [
+      int(_VERSION.match(p.name).group(1))
+      for p in path.iterdir()
+      if _is_ours(p.name) and _VERSION.match(p.name)
+  ]
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:
@@ -270,7 +277,7 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
   os.replace(temporary, path)
   directory = os.open(path.parent, os.O_RDONLY)
   try:
-    os.fsync(directory)  # the rename itself survives a power cut
+    os.fsync(directory)  # the rename is on disk (orbax does not fsync the version's files)
   finally:
     os.close(directory)
 
@@ -326,7 +333,7 @@ def _current(path: pathlib.Path) -> pathlib.Path:
     raise StateFileError(f"{path}: no saved kvjax state there (not a directory)")
   try:
     name = (path / CURRENT).read_text().strip()
-  except (FileNotFoundError, UnicodeDecodeError):
+  except (OSError, UnicodeDecodeError):
     raise StateFileError(
         f"{path}: not a saved kvjax state (no readable {CURRENT} file; an interrupted first "
         "save leaves none)"

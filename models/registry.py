@@ -92,9 +92,14 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
 
 
 def _cache_root() -> Path | None:
-  from kvjax.config import cache_dir  # kvjax's one cache directory (a leaf module)
-
-  return cache_dir()
+  """kvjax's cache directory: $KVJAX_CACHE_DIR, else kvjax under $XDG_CACHE_HOME or
+  ~/.cache; None when KVJAX_CACHE_DIR=off (`kvjax.config.cache_dir` returns this)."""
+  chosen = os.environ.get("KVJAX_CACHE_DIR", "")
+  if chosen.lower() == "off":
+    return None
+  if chosen:
+    return Path(chosen).expanduser()
+  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvjax"
 
 
 def _convert(src: ModelSource):
