@@ -166,6 +166,11 @@ class PagedKVCache:
     """Bytes of K and V in one page."""
     return 2 * self.config.page_size * self.head_dim * self.k_pages.dtype.itemsize
 
+  @property
+  def token_bytes(self) -> int:
+    """Bytes of K and V one token takes across all layers and kv heads (one row)."""
+    return self.num_layers * self.num_kv_heads * self.page_bytes // self.config.page_size
+
   def kv_bytes(self) -> int:
     """Host-side: bytes of K and V held by live pages (what a right-sized pool must hold).
     Inside jit, track `pages_in_use().sum()` instead (int32 bytes would overflow)."""
@@ -467,6 +472,29 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
   table = cache.page_table[layer, row, head]
   take = lambda x: np.asarray(x[table].reshape(-1, *x.shape[2:])[:n])  # noqa: E731
   return take(cache.k_pages), take(cache.v_pages), take(cache.slot("position"))
+
+
+def live_pages(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
+  """Host-side: the mask of page-table entries sequences own [L, B, H, M], and the physical
+  pages of those entries in table order (each live page once: no page is shared)."""
+  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
+  owned = np.arange(table.shape[-1]) < (-(-length // cache.config.page_size))[..., None]
+  return owned, table[owned]
+
+
+def packed_table(owned: np.ndarray) -> np.ndarray:
+  """The page table of a pool whose live pages are 1..n in table order (`live_pages`)."""
+  table = np.full(owned.shape, NULL_PAGE, np.int32)
+  table[owned] = np.arange(1, owned.sum() + 1, dtype=np.int32)
+  return table
+
+
+def free_stack(num_pages: int, num_live: int) -> np.ndarray:
+  """The free stack of a pool whose pages 1..num_live are live: the rest, low ids popped
+  first (the stack top is at num_free - 1, as `init_cache` lays it out)."""
+  free = np.zeros(num_pages, np.int32)
+  free[: num_pages - 1 - num_live] = np.arange(num_pages - 1, num_live, -1)
+  return free
 
 
 def check_status(cache: PagedKVCache) -> None:

@@ -501,11 +501,7 @@ def _prefill_and_save(args) -> int:
   stats = {
       "context_tokens": len(tokens),
       "kv_bytes": state.kv_bytes(),
-      "full_kv_bytes": len(tokens)
-      * state.cache.num_layers
-      * state.cache.num_kv_heads
-      * state.cache.page_bytes
-      // state.cache.config.page_size,
+      "full_kv_bytes": len(tokens) * state.cache.token_bytes,
       "disk_bytes": sum(f.stat().st_size for f in save.rglob("*") if f.is_file()),
       "prefill_seconds": prefill_seconds,
       "save_seconds": time.perf_counter() - start,

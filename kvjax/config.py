@@ -16,9 +16,9 @@ def cache_dir() -> pathlib.Path | None:
   """kvjax's cache directory (compiled steps, converted weights): $KVJAX_CACHE_DIR, else
   kvjax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache); None when
   KVJAX_CACHE_DIR=off. Defined with the model loaders, which import nothing of kvjax."""
-  from models.registry import _cache_root
+  from models.registry import cache_root
 
-  return _cache_root()
+  return cache_root()
 
 
 def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:

@@ -39,12 +39,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import NULL_PAGE, PagedKVCache, PageTable, Slot
+from kvjax.cache import (
+    NULL_PAGE,
+    PagedKVCache,
+    PageTable,
+    Slot,
+    free_stack,
+    live_pages,
+    packed_table,
+)
 from kvjax.config import CacheConfig
 from kvjax.policies import EvictionPlan, get_policy
 from kvjax.seam import ModelShape, model_fingerprint
 from kvjax.session import State
 from kvjax.spec import CachePlan, CompressionSpec
+from models.weight_cache import arrays_digest
 
 FORMAT = "kvjax-state/1"
 CURRENT = "CURRENT"
@@ -216,18 +225,14 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
   """The arrays to write: live pages in page-table order (the table renumbered to match,
   1..n), and the state's small arrays."""
   cache = state.cache
-  ps = cache.config.page_size
-  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
-  owned = np.arange(table.shape[-1]) < (-(-length // ps))[..., None]  # [L, B, H, M]
-  live_ids = jnp.asarray(table[owned])  # every live page once (no page is shared)
-  renumbered = np.zeros_like(table)
-  renumbered[owned] = np.arange(1, owned.sum() + 1, dtype=table.dtype)
+  owned, live_ids = live_pages(cache)
+  live_ids = jnp.asarray(live_ids)
   take = lambda x: np.asarray(jnp.take(x, live_ids, axis=0))  # noqa: E731
   arrays = {
       "k_pages": take(cache.k_pages),
       "v_pages": take(cache.v_pages),
-      "table": renumbered,
-      "length": length,
+      "table": packed_table(owned),
+      "length": np.asarray(cache.length),
       "status": np.asarray(cache.status),
       "logits": np.asarray(state.logits),
       "position": np.asarray(state.position),
@@ -241,16 +246,10 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
 
 
 def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
-  """SHA-256 of the metadata (without its digest) and of every array's name, dtype, shape
-  and bytes."""
-  digest = hashlib.sha256()
+  """SHA-256 of the metadata (without its digest) and of the arrays (`arrays_digest`)."""
   body = {k: v for k, v in meta.items() if k != "digest"}
-  digest.update(json.dumps(body, sort_keys=True).encode())
-  for name in sorted(arrays):
-    x = np.ascontiguousarray(arrays[name])
-    digest.update(f"{name}:{x.dtype.name}:{x.shape};".encode())
-    digest.update(x.tobytes())
-  return digest.hexdigest()
+  text = json.dumps(body, sort_keys=True) + arrays_digest(arrays)
+  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _is_ours(name: str) -> bool:
@@ -308,6 +307,7 @@ def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
   truncated checkpoint (the digest does not match), another kvjax format, another model,
   another dtype or another tokenizer. Nothing reaches the device before every check passed.
   """
+  ModelShape.of(model)  # a wrong argument is a TypeError, not a damaged state
   version = _current(pathlib.Path(path).absolute())
   meta = _read_meta(version)
   _check_compatible(meta, model, tokenizer, version)
@@ -443,9 +443,6 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
     full[1 : 1 + live] = saved
     return jnp.asarray(full)
 
-  free = np.zeros(num_pages, np.int32)
-  num_free = num_pages - 1 - live
-  free[:num_free] = np.arange(num_pages - 1, live, -1)  # low ids popped first
   cache = PagedKVCache(
       k_pages=pool(arrays["k_pages"], 0),
       v_pages=pool(arrays["v_pages"], 0),
@@ -453,8 +450,8 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
       pages=PageTable(
           table=jnp.asarray(arrays["table"]),
           length=jnp.asarray(arrays["length"]),
-          free_pages=jnp.asarray(free),
-          num_free=jnp.asarray(np.int32(num_free)),
+          free_pages=jnp.asarray(free_stack(num_pages, live)),
+          num_free=jnp.asarray(np.int32(num_pages - 1 - live)),
           status=jnp.asarray(arrays["status"]),
       ),
       config=config,

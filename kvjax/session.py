@@ -33,8 +33,11 @@ from kvjax.cache import (
     PagedKVCache,
     Status,
     check_status,
+    free_stack,
     init_cache,
+    live_pages,
     logical_view,
+    packed_table,
     valid_mask,
 )
 from kvjax.config import cache_dir
@@ -766,30 +769,24 @@ def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:
   """The cache in a pool of exactly its live pages, plus room for `reserve` more tokens per
   sequence: evicted memory is returned, not only marked free."""
   ps = cache.config.page_size
-  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
-  held = -(-length // ps)
-  owned = np.arange(table.shape[-1]) < held[..., None]  # [L, B, H, M]
-  old_ids = table[owned]  # each live page once (no page is shared)
+  length = np.asarray(cache.length)
+  owned, old_ids = live_pages(cache)
   live = len(old_ids)
-  headroom = int(np.sum(-(-(length + reserve) // ps) - held))
+  headroom = int(np.sum(-(-(length + reserve) // ps) - owned.sum(-1)))
   num_pages = 1 + live + headroom
-  remap = np.zeros(cache.num_pages, np.int32)
-  remap[old_ids] = np.arange(1, live + 1, dtype=np.int32)
   gather = jnp.asarray(np.concatenate([[NULL_PAGE], old_ids]).astype(np.int32))
 
   def compact(x, empty):
     kept = x[gather]
     return jnp.concatenate([kept, jnp.full((headroom, *x.shape[1:]), empty, x.dtype)])
 
-  free = np.zeros(num_pages, np.int32)
-  free[:headroom] = np.arange(num_pages - 1, live, -1)  # low ids popped first
   return cache.replace(
       k_pages=compact(cache.k_pages, 0),
       v_pages=compact(cache.v_pages, 0),
       slots={s.name: compact(cache.slots[s.name], s.empty) for s in cache.slot_specs},
       pages=cache.pages.replace(
-          table=jnp.asarray(np.where(owned, remap[table], NULL_PAGE)),
-          free_pages=jnp.asarray(free),
+          table=jnp.asarray(packed_table(owned)),
+          free_pages=jnp.asarray(free_stack(num_pages, live)),
           num_free=jnp.int32(headroom),
       ),
       config=dataclasses.replace(cache.config, num_pages=num_pages),

@@ -78,7 +78,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
   ($KVJAX_CACHE_DIR/weights, see `models.weight_cache`): the first load converts and
   stores them, later loads read them back (several times faster for a quantised GGUF)."""
   src = resolve_model(name_or_path)
-  root = _cache_root() if cache else None
+  root = cache_root() if cache else None
   if root is None:
     return _convert(src)
   from . import weight_cache
@@ -91,7 +91,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
   return loaded
 
 
-def _cache_root() -> Path | None:
+def cache_root() -> Path | None:
   """kvjax's cache directory: $KVJAX_CACHE_DIR, else kvjax under $XDG_CACHE_HOME or
   ~/.cache; None when KVJAX_CACHE_DIR=off (`kvjax.config.cache_dir` returns this)."""
   chosen = os.environ.get("KVJAX_CACHE_DIR", "")

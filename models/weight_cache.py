@@ -41,12 +41,13 @@ def entry_dir(root: Path, source: ModelSource) -> Path:
   return Path(root) / "weights" / f"{source.name}-{digest.hexdigest()[:16]}"
 
 
-def _params_digest(params: dict[str, np.ndarray]) -> str:
+def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+  """SHA-256 of named arrays: each one's name, dtype, shape and bytes, in name order."""
   digest = hashlib.sha256()
-  for name in sorted(params):
-    x = np.ascontiguousarray(params[name])
+  for name in sorted(arrays):
+    x = np.ascontiguousarray(arrays[name])
     digest.update(f"{name}:{x.dtype.name}:{x.shape};".encode())
-    digest.update(x.data)
+    digest.update(x.reshape(-1).view(np.uint8).data)  # any dtype (bfloat16 too), no copy
   return digest.hexdigest()
 
 
@@ -69,7 +70,7 @@ def load(path: Path):
           path, ocp.args.Composite(params=ocp.args.StandardRestore(target))
       )["params"]
     params = {k: np.asarray(v) for k, v in params.items()}
-    if _params_digest(params) != meta["digest"]:
+    if arrays_digest(params) != meta["digest"]:
       raise ValueError("the params' SHA-256 digest does not match")
     config = ModelConfig(**{**meta["config"], "eos_ids": tuple(meta["config"]["eos_ids"])})
     check_params(config, params, str(path), optional=("rope_freqs",))
@@ -98,7 +99,7 @@ def store(path: Path, source: ModelSource, config: ModelConfig, params, tokenize
       "source": {"kind": source.kind, "path": str(source.path)},
       "config": dataclasses.asdict(config),
       "shapes": {k: list(v.shape) for k, v in params.items()},
-      "digest": _params_digest(params),
+      "digest": arrays_digest(params),
       "tokenizer": {
           "json": tokenizer.tok.to_str(),
           "bos_id": tokenizer.bos_id,

@@ -327,3 +327,15 @@ def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monke
     third, _ = load_llama()
   assert len(calls) == 2
   np.testing.assert_array_equal(third.embed[...], first.embed[...])
+
+
+def test_the_persistence_api_rejects_what_is_not_a_state_or_a_model(model, states, tmp_path):
+  with pytest.raises(TypeError, match="state must be a kvjax.State"):
+    kvjax.save_state(tmp_path / "s", {"cache": None}, model)
+  with pytest.raises(TypeError, match="is not a kvjax model"):
+    kvjax.save_state(tmp_path / "s", states["full"], object())
+  path = kvjax.save_state(tmp_path / "s", states["full"], model)
+  with pytest.raises(TypeError, match="is not a kvjax model"):
+    kvjax.load_state(path, object())
+  with pytest.raises(TypeError, match="info must be a dict"):
+    kvjax.save_state(tmp_path / "t", states["full"], model, info=["x"])

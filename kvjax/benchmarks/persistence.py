@@ -117,7 +117,7 @@ def compress_once_ask_many(args) -> list[str]:
   med = {k: statistics.median(v) for k, v in times.items()}
   cache = state.cache
   tokens = len([t for segment in prompt for t in segment.text])
-  per_token = cache.num_layers * cache.num_kv_heads * cache.page_bytes // cache.config.page_size
+  per_token = cache.token_bytes
   disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
   shutil.rmtree(directory)
   again = med["prefill"] + med["answer_a"]
