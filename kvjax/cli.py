@@ -67,6 +67,13 @@ def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
   """One flag per field of `cls` (CompressionSpec or Sampling), with its help and choices.
   Flags default to None: the dataclass's own defaults apply to what the user leaves out."""
   group = parser.add_argument_group(title)
+  if cls.__name__ == "CompressionSpec":
+    group.add_argument(
+        "--spec",
+        default=None,
+        metavar="FILE",
+        help="a tuned spec (tuned.json from `kvjax tune`); flags given with it override it",
+    )
   for field in dataclasses.fields(cls):
     meta = dict(field.metadata)
     default = field.default
@@ -91,22 +98,44 @@ def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
     group.add_argument(_flag(field.name), **kwargs)
 
 
-def _from_args(cls, args, skip=()):
-  """`cls` built from the flags the user gave (the others keep the dataclass defaults)."""
-  given = {
+def _given(cls, args, skip=()) -> dict:
+  """The fields of `cls` the user gave flags for."""
+  return {
       f.name: getattr(args, f.name)
       for f in dataclasses.fields(cls)
       if f.name not in skip and getattr(args, f.name, None) is not None
   }
-  return cls(**given)
+
+
+def _from_args(cls, args, skip=()):
+  """`cls` built from the flags the user gave (the others keep the dataclass defaults)."""
+  return cls(**_given(cls, args, skip))
 
 
 def spec_from_args(args, sweep: bool = False):
-  """The `CompressionSpec` of a parsed command line (for eval/bench: without the fields
-  each configuration sets, `_PER_CONFIG`)."""
+  """The `CompressionSpec` of a parsed command line: `--spec FILE` (a tuned spec) with the
+  flags given on top, or the flags alone (for eval/bench: without the fields each
+  configuration sets, `_PER_CONFIG`)."""
   from kvjax.spec import CompressionSpec
 
-  return _from_args(CompressionSpec, args, skip=_PER_CONFIG if sweep else ())
+  skip = _PER_CONFIG if sweep else ()
+  if getattr(args, "spec", None) is None:
+    return _from_args(CompressionSpec, args, skip=skip)
+  from kvjax.tune import load_spec
+
+  tuned = load_spec(args.spec)
+  given = _given(CompressionSpec, args, skip)
+  if "policy" in given and given["policy"] != tuned.policy.name:
+    given.setdefault("allocation", None)  # learned on the tuned policy's scores
+  return tuned.replace(**given)
+
+
+def check_spec_model(args, model) -> None:
+  """A tuned spec (`--spec`) must have been tuned for the model it runs with."""
+  if getattr(args, "spec", None) is not None:
+    from kvjax.tune import load_spec
+
+    load_spec(args.spec, model)
 
 
 def _load(name: str):
@@ -187,6 +216,7 @@ def _generate(args) -> int:
   if not prompt.strip():
     raise ValueError("the prompt is empty")
   model, tokenizer = _load(args.model)
+  check_spec_model(args, model)
   options = dict(
       max_new_tokens=args.max_new_tokens,
       sampling=sampling,
@@ -244,8 +274,12 @@ def _evaluate(args) -> int:
   quick = args.quick
   spec = spec_from_args(args, sweep=True)
   lengths = args.context_tokens or _DEFAULT_LENGTHS[task][1 if quick else 0]
-  policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
-  budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
+  if args.spec is not None:  # the tuned setting, beside the full cache
+    policies = args.policy or ["full", spec.policy.name]
+    budgets = args.budget or [spec.budget]
+  else:
+    policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
+    budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
   options = {}
   if task in ("fidelity", "perplexity"):
     default_continuation = 64 if task == "fidelity" else 128
@@ -301,6 +335,7 @@ def _evaluate(args) -> int:
   else:
     text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
   model, tokenizer = _load(args.model)
+  check_spec_model(args, model)
   ids, cases = None, records
   if records is not None:
     lengths = [max(len(tokenizer.encode(c["context"])) for c in records)]
@@ -475,6 +510,7 @@ def _prefill_and_save(args) -> int:
   if not text.strip():
     raise ValueError(f"--context {args.context} is empty")
   model, tokenizer = _load(args.model)
+  check_spec_model(args, model)
   prompt = context_prompt(tokenizer, tokenizer.encode(text), args.chat)
   tokens = [t for segment in prompt for t in segment.text]  # ids (context_prompt encodes)
   start = time.perf_counter()
@@ -565,6 +601,101 @@ def _ask(args) -> int:
       print(text, flush=True)
     print(f"[answered in {seconds:.2f} s]", file=sys.stderr)
   return 0
+
+
+def _tune(args) -> int:
+  """Chooses the compression for a workload sample and writes a tuned spec (tuned.json,
+  the learned allocation, front.png) into --out."""
+  import pathlib
+
+  from kvjax.eval import _data, _report
+  from kvjax.tune import parse_target, tune
+
+  sources = [name for name in ("text", "jsonl", "task") if getattr(args, name) is not None]
+  if len(sources) > 1:
+    raise ValueError(f"give one of --text, --jsonl, --task (got {', '.join(sources)})")
+  if args.target is not None and args.memory is not None:
+    raise ValueError("give --target or --memory, not both")
+  target = parse_target(
+      f"memory={args.memory}" if args.memory is not None else (args.target or "kl=0.05")
+  )
+  for name in ("context_tokens", "continuation_tokens", "items", "steps"):
+    if getattr(args, name) < (2 if name in ("items", "continuation_tokens") else 1):
+      raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+  if not 0 < args.held_out < 1:
+    raise ValueError(f"--held-out must be a share in (0, 1), got {args.held_out}")
+  out = _report.check_out(args.out)
+  if (out / "tuned.json").exists() and not args.overwrite:
+    raise ValueError(f"--out {out} holds a tuned.json; pass --overwrite to replace it")
+  text = cases = None
+  if args.jsonl is not None:
+    cases = _data.read_jsonl(args.jsonl, ("context", "question"))
+  elif args.text is not None:
+    text = _data.read_text(args.text)
+  elif args.task is None:
+    text = _data.default_text()
+  model, tokenizer = _load(args.model)
+  if args.task is not None:
+    cases = _task_cases(args.task, tokenizer, args.context_tokens, args.items)
+  say = (
+      (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+  )
+  result = tune(
+      model,
+      tokenizer,
+      text=text,
+      cases=cases,
+      target=target,
+      policies=args.policies,
+      context_tokens=args.context_tokens,
+      continuation_tokens=args.continuation_tokens,
+      max_items=args.items,
+      held_out=args.held_out,
+      steps=args.steps,
+      progress=say,
+  )
+  path = result.write(out)
+  print(result.table())
+  print(f"\nchosen: {result.why}")
+  for name, check in result.held_out.items():
+    metric = "kl" if "kl" in check else "accuracy"
+    print(
+        f"held out ({check['items']} items), {name}: {metric} {check[metric]}, "
+        f"{check['kv_mib']:.2f} MiB per request; "
+        f"{'meets' if check['meets_target'] else 'MISSES'} {result.target}"
+    )
+  print(
+      f"wrote {path}, {pathlib.Path(out) / 'front.png'}; use it with --spec {path}", file=sys.stderr
+  )
+  return 0 if result.reachable else 1
+
+
+def _task_cases(task: str, tokenizer, context_tokens: int, items: int) -> list[dict]:
+  """A built-in question workload over the shipped text: pass keys hidden in real text at
+  spread depths ('passkey'), or several facts per context ('multi-question')."""
+  import numpy as np
+
+  from kvjax.eval import _data, _tasks
+
+  ids = tokenizer.encode(_data.default_text())
+  if task == "passkey":
+    depths = np.linspace(0.05, 0.95, items).round(3).tolist()
+    cases = _tasks.passkey_cases(
+        tokenizer, context_tokens, depths=depths, fillers=("text",), ids=ids
+    )
+    return [{"context": c["ids"], "question": c["question"], "answer": c["answer"]} for c in cases]
+  facts = 4
+  trials = max(1, -(-items // facts))
+  cases = _tasks.multi_question_cases(tokenizer, ids, context_tokens, facts=facts, trials=trials)
+  return [
+      {
+          "context": c["ids"],
+          "question": f"{_data.FACT_QUESTION.format(subject=f['subject'])}",
+          "answer": f["answer"],
+      }
+      for c in cases
+      for f in c["facts"]
+  ][:items]
 
 
 def _policy_names():
@@ -668,6 +799,47 @@ def build_parser() -> argparse.ArgumentParser:
   ask.add_argument("--max-new-tokens", type=int, default=64, help="answer tokens at most")
   ask.add_argument("--json", action="store_true", help="one JSON object per question, with timings")
   ask.set_defaults(func=_ask)
+  tuner = sub.add_parser(
+      "tune", help="choose the compression for a workload sample (learned allocation, optax)"
+  )
+  data = tuner.add_mutually_exclusive_group()
+  data.add_argument("--text", default=None, help="UTF-8 text sample (default: the shipped text)")
+  data.add_argument(
+      "--jsonl", default=None, help='question cases: {"context", "question", "answer"} per line'
+  )
+  data.add_argument(
+      "--task",
+      default=None,
+      choices=("passkey", "multi-question"),
+      help="a built-in question workload over the shipped text",
+  )
+  tuner.add_argument(
+      "--target", default=None, help="kl=X (default kl=0.05) or accuracy=X, on held-out items"
+  )
+  tuner.add_argument(
+      "--memory", default=None, help="K/V per request at most, e.g. 64MiB: the lowest KL within it"
+  )
+  tuner.add_argument("--out", default="tuned", help="directory for tuned.json (default: tuned)")
+  tuner.add_argument("--overwrite", action="store_true", help="replace a tuned.json in --out")
+  tuner.add_argument(
+      "--model", default="smollm2-135m-instruct", help="registry name, .gguf or HF dir"
+  )
+  tuner.add_argument(
+      "--policies",
+      nargs="+",
+      default=["kvzip", "expected_attention", "snapkv", "h2o"],
+      metavar="POLICY",
+      help="candidate policies (default: kvzip expected_attention snapkv h2o)",
+  )
+  tuner.add_argument("--context-tokens", type=int, default=1024, help="tokens per context")
+  tuner.add_argument(
+      "--continuation-tokens", type=int, default=32, help="text: tokens after each context"
+  )
+  tuner.add_argument("--items", type=int, default=24, help="contexts (or cases) used at most")
+  tuner.add_argument("--held-out", type=float, default=0.34, help="share of items held out")
+  tuner.add_argument("--steps", type=int, default=40, help="optax steps of the allocation")
+  tuner.add_argument("--quiet", action="store_true", help="no progress lines")
+  tuner.set_defaults(func=_tune)
   return parser
 
 

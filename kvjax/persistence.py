@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import _files
 from kvjax.cache import (
     NULL_PAGE,
     PagedKVCache,
@@ -138,7 +139,7 @@ def save_state(
         path / name,
         ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
     )
-  _write_atomically(path / CURRENT, name + "\n")
+  _files.write_text(path / CURRENT, name + "\n")
   _remove_stale(path, keep=name)
   return path
 
@@ -264,21 +265,6 @@ def _versions(path: pathlib.Path) -> list[int]:
       for p in path.iterdir()
       if _is_ours(p.name) and _VERSION.match(p.name)
   ]
-
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-  """`text` in `path`, or the old file: a temporary file, flushed to disk, then renamed."""
-  temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-  with open(temporary, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
-  directory = os.open(path.parent, os.O_RDONLY)
-  try:
-    os.fsync(directory)  # the rename is on disk (orbax does not fsync the version's files)
-  finally:
-    os.close(directory)
 
 
 def _remove_stale(path: pathlib.Path, keep: str) -> None:

@@ -18,13 +18,13 @@ import hashlib
 import importlib.resources
 import os
 import pathlib
-import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
+
+from kvjax import _files
 
 FORMAT = "kvjax-learned-scorer/1"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -101,14 +101,6 @@ class Scorer:
 
   def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> pathlib.Path:
     """Writes the scorer to directory `path` atomically (a complete directory or none)."""
-    import orbax.checkpoint as ocp
-
-    path = pathlib.Path(path).absolute()
-    if path.exists() and not overwrite:
-      raise FileExistsError(f"{path} exists; choose another directory or overwrite=True")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    shutil.rmtree(staging)  # orbax creates the directory itself
     meta = {
         "format": FORMAT,
         "model": self.model,
@@ -118,41 +110,16 @@ class Scorer:
         "num_kv_heads": self.num_kv_heads,
         "metrics": self.metrics,
     }
-    try:
-      with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(
-            staging,
-            ocp.args.Composite(
-                params=ocp.args.StandardSave({"weight": self.weight, "bias": self.bias}),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
-      if path.exists():
-        shutil.rmtree(path)
-      staging.rename(path)
-    finally:
-      shutil.rmtree(staging, ignore_errors=True)
-    return path
+    params = {"weight": self.weight, "bias": self.bias}
+    return _files.write_params(path, params, meta, overwrite=overwrite)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Scorer":
     """A scorer saved by `save`; ValueError naming the path when it is not one."""
-    import orbax.checkpoint as ocp
-
-    path = pathlib.Path(path).absolute()
-    if not (path / "meta").is_dir() or not (path / "params").is_dir():
-      raise ValueError(f"{path} is not a trained kvjax scorer (no params/ and meta/ inside)")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      restored = checkpointer.restore(
-          path,
-          ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
-      )
-    meta, params = restored["meta"], restored["params"]
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-      raise ValueError(f"{path}: unknown scorer format {meta.get('format')!r}, need {FORMAT!r}")
+    params, meta = _files.read_params(path, what="trained kvjax scorer", fmt=FORMAT)
     return cls(
-        weight=np.asarray(params["weight"]),
-        bias=np.asarray(params["bias"]),
+        weight=params["weight"],
+        bias=params["bias"],
         model=meta["model"],
         fingerprint=meta["fingerprint"],
         metrics=meta.get("metrics", {}),

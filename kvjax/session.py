@@ -348,14 +348,44 @@ def context_scores(
   """What a policy that compresses the context once (kvzip, learned, expected_attention)
   thinks of every token of `prompts` before it evicts anything: scores [L, B, H, N] in
   logical order (token n of row b at index n) and the mask of live tokens [L, B, H, N]."""
+  scored = scored_context(model, prompts, spec, tokenizer=tokenizer, chat=chat)
+  return scored.scores, scored.valid
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredContext:
+  """A context read whole and scored, nothing evicted (host arrays, logical order: token n
+  of row b at index n of every sequence)."""
+
+  scores: np.ndarray  # [L, B, H, N] float32: the policy's scores, higher = keep
+  valid: np.ndarray  # [L, B, H, N] bool: live tokens
+  marked: np.ndarray  # [L, B, H, N] bool: tokens the prompt protects (Segment(protected=True))
+  keys: np.ndarray  # [L, B, H, N, D]: cached keys (position-encoded) of the full context
+  values: np.ndarray  # [L, B, H, N, D]
+  logits: np.ndarray  # [B, V]: the prediction after each row's last token
+
+
+def scored_context(
+    model, prompts, spec: CompressionSpec, *, tokenizer=None, chat: bool = False
+) -> ScoredContext:
+  """`context_scores` with the cached K/V and marks (what `kvjax.tune` learns from)."""
   if not isinstance(spec, CompressionSpec) or not spec.once:
     raise ValueError(
         "context_scores needs a CompressionSpec whose policy compresses the context once "
         f"(e.g. kvzip, learned, expected_attention), got {spec!r}"
     )
   state, encoded, shape, _ = _begin(model, prompts, spec, tokenizer, chat, 0, 0, None)
-  cache = _read_and_score(model, state, encoded, tokenizer, shape).cache
-  return np.asarray(logical_view(cache, cache.slot("score"))), np.asarray(valid_mask(cache))
+  state = _read_and_score(model, state, encoded, tokenizer, shape)
+  cache = state.cache
+  check_status(cache)
+  return ScoredContext(
+      scores=np.asarray(logical_view(cache, cache.slot("score"))),
+      valid=np.asarray(valid_mask(cache)),
+      marked=np.asarray(logical_view(cache, cache.slot("protected"))),
+      keys=np.asarray(logical_view(cache, cache.k_pages)),
+      values=np.asarray(logical_view(cache, cache.v_pages)),
+      logits=np.asarray(state.logits),
+  )
 
 
 def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False) -> State:
@@ -485,6 +515,8 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
     raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
   shape = ModelShape.of(model)
   spec.policy.check_model(model)
+  if spec.allocation is not None:
+    spec.allocation.check_model(model)
   if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
     raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
@@ -705,6 +737,7 @@ def _compress(state: State, reserve: int) -> State:
       sharing=spec.sharing,
       auto=spec.auto,
       impl=plan.impl,
+      allocation=spec.allocation,
   )
   check_status(cache)
   # The context is compressed once: later tokens are kept (no observation, no eviction), so
@@ -750,10 +783,13 @@ def _reconstruct(
 _truncate = jax.jit(_truncate_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl"))
-def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl):
-  """Every sequence evicted to its share of the scored context (`policies.head_budgets`)."""
+@functools.partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl", "allocation"))
+def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl, allocation):
+  """Every sequence evicted to its share of the scored context (`policies.head_budgets`),
+  ranked through the learned head `allocation` when the spec has one."""
   ranked = policy.scores(cache, key)
+  if allocation is not None:
+    ranked = allocation.rank(ranked)
   counts = head_budgets(
       ranked,
       protection_mask(cache),

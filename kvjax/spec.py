@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
+from kvjax.allocation import HeadAllocation
 from kvjax.config import GROUP_REDUCTIONS, CacheConfig, min_budget
 from kvjax.policies import (
     BUDGET_SCHEDULES,
@@ -77,6 +79,11 @@ class CompressionSpec:
   )
   scorer: str | None = _field(
       None, "trained scorer directory for policy 'learned' (default: the shipped one)"
+  )
+  allocation: str | HeadAllocation | None = _field(
+      None,
+      "a head allocation learned by `kvjax tune` (its directory): per-(layer, kv head) "
+      "offsets to the policy's scores before the global ranking of a context compressed once",
   )
   sink: int = _field(4, "first tokens of every sequence, never evicted")
   recent: int | None = _field(
@@ -147,6 +154,8 @@ class CompressionSpec:
       fail(f"group_size must be 1 or page_size={self.page_size}, got {self.group_size!r}")
     budget = self.budget
     if isinstance(self.policy, Full):
+      if self.allocation is not None:
+        fail("allocation was given with policy 'full', which keeps every token")
       if budget is not None:
         fail(
             f"budget={budget!r} was given with policy 'full', which keeps every token; "
@@ -196,6 +205,32 @@ class CompressionSpec:
       )
     if _is_int(budget):
       self._check_budget(int(budget), f"budget={budget}")
+    self._check_allocation()
+
+  def _check_allocation(self):
+    allocation = self.allocation
+    if allocation is None:
+      return
+    if isinstance(allocation, (str, os.PathLike)):
+      allocation = HeadAllocation.load(allocation)
+      object.__setattr__(self, "allocation", allocation)
+    if not isinstance(allocation, HeadAllocation):
+      raise TypeError(
+          f"CompressionSpec: allocation must be a directory or a HeadAllocation, got "
+          f"{type(allocation).__name__}"
+      )
+    if not (self.once and self.sharing == "global") or self.auto:
+      raise ValueError(
+          "CompressionSpec: allocation applies to a context compressed once with "
+          "head_budget='global' and a budget (not 'auto'); this spec has policy "
+          f"{self.policy.name!r}, compress={'once' if self.once else 'running'}, "
+          f"head_budget={self.sharing!r}, budget={self.budget!r}"
+      )
+    if allocation.policy != self.policy.name:
+      raise ValueError(
+          f"CompressionSpec: the allocation {allocation.path or ''} was learned on policy "
+          f"{allocation.policy!r}'s scores, not {self.policy.name!r}'s"
+      )
 
   @property
   def evicts(self) -> bool:
@@ -234,13 +269,21 @@ class CompressionSpec:
     """The full cache with this spec's layout and kernels (page size, chunk, dtype, impl):
     the policy's own options (budget, threshold, scorer, sharing, mode) are dropped."""
     return self.replace(
-        policy="full", budget=None, threshold=None, scorer=None, head_budget=None, compress=None
+        policy="full",
+        budget=None,
+        threshold=None,
+        scorer=None,
+        allocation=None,
+        head_budget=None,
+        compress=None,
     )
 
   def to_dict(self) -> dict:
     """Plain values (the policy by name), e.g. for results files."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     out["policy"] = self.policy.name
+    if self.allocation is not None:
+      out["allocation"] = self.allocation.path or "<unsaved allocation>"
     return out
 
   # ---- the budget, in one place ----------------------------------------------------------

@@ -17,11 +17,11 @@ def _run(tmp_path, capsys, *argv):
     "argv, metric",
     [
         (["eval", "fidelity"], "kl"),
-        (["eval", "passkey"], "accuracy"),
-        (["eval", "multi-question"], "questions"),
+        pytest.param(["eval", "passkey"], "accuracy", marks=pytest.mark.slow),
+        pytest.param(["eval", "multi-question"], "questions", marks=pytest.mark.slow),
         (["eval", "perplexity"], "ppl"),
         (["eval", "retention"], "retention"),
-        (["bench"], "decode_ms_per_token"),
+        pytest.param(["bench"], "decode_ms_per_token", marks=pytest.mark.slow),
     ],
 )
 def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, argv, metric):

@@ -397,6 +397,7 @@ def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(
     )
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_bench_sweep_reports_cost_per_length(model, tokenizer, text_ids, tmp_path):
   results = E.run_sweep(
       "bench",

@@ -138,6 +138,7 @@ def test_eval_refuses_a_binary_text_file_before_loading_the_model(tmp_path):
   assert not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_prompt_from_stdin_and_from_a_file(tmp_path):
   question = "What is the capital of France?"
   (tmp_path / "prompt.txt").write_text(question)
@@ -318,6 +319,7 @@ def test_tables_call_crashed_cases_errors():
 # ---- 13. the pool never exceeds the full cache's -------------------------------------------
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_a_budget_above_short_prompts_holds_no_more_than_the_full_cache():
   model, tok = tiny_llama(max_context=512), ByteTokenizer()
   prompts = [f"question {i}: what is {i} + {i}?" for i in range(8)]

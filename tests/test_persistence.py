@@ -202,7 +202,7 @@ def test_a_save_that_fails_part_way_leaves_the_old_state_or_the_new(
 
   target = {
       "orbax": (ocp.Checkpointer, "save"),  # before the new version is complete
-      "pointer": (persistence, "_write_atomically"),  # complete, CURRENT not switched yet
+      "pointer": (persistence._files, "write_text"),  # complete, CURRENT not switched yet
       "cleanup": (persistence, "_remove_stale"),  # switched, the old version still there
   }[crash_at]
   monkeypatch.setattr(*target, crash)
@@ -269,6 +269,7 @@ def test_twenty_kills_while_saving_each_leave_the_old_or_the_new_state(model, tm
   assert _kill_while_saving(tmp_path, model, trials=20) == {200, 300}
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_cli_prefill_saves_a_state_that_ask_answers_from(tmp_path):
   """The real model, end to end: a context saved once, two questions answered from the
   saved state in another process (identical answers before and after saving are checked

@@ -85,6 +85,7 @@ def test_compiled_steps_persist_in_the_kvjax_cache_dir(tmp_path, setting):
   assert bool(entries) == (setting == "dir")
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory maps")
 def test_steps_kvjax_drops_free_their_code(monkeypatch):
   """JAX keeps every executable it compiled; on CPU each holds ~450 memory maps of JIT

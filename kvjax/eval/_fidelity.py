@@ -32,7 +32,8 @@ def continuation_logits(
   teacher-forced (decode-time eviction applies); and the peak KV bytes held. `tokenizer`
   is for policies that prompt the model themselves (kvzip's reconstruction prompt).
   `stats`, if given, receives `kept_fraction`: the share of the context's K/V entries
-  (over layers and kv heads) still cached after prefill."""
+  (over layers and kv heads) still cached after prefill, and `kv_bytes`: the K/V bytes the
+  state holds then."""
   context_ids, continuation_ids = list(context_ids), list(continuation_ids)
   state = prefill(
       model, [context_ids], spec, tokenizer=tokenizer, reserve=len(continuation_ids), seed=seed
@@ -40,6 +41,7 @@ def continuation_logits(
   if stats is not None:
     lengths = np.asarray(state.cache.length)
     stats["kept_fraction"] = float(lengths.sum() / (lengths.size * len(context_ids)))
+    stats["kv_bytes"] = state.kv_bytes()
   first = state.logits
   if len(continuation_ids) == 1:
     return first, state.peak_kv_bytes()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pathlib
 import platform
 import tempfile
 
 import jax
 import numpy as np
+
+from kvjax import _files
 
 SCHEMA = "kvjax-results/1"
 
@@ -300,15 +301,6 @@ def check_out(out: str | pathlib.Path) -> pathlib.Path:
   return out
 
 
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-  """`path` holds either its old content or all of `text`, never a part."""
-  with tempfile.NamedTemporaryFile(
-      "w", dir=path.parent, prefix=f".{path.name}.", delete=False
-  ) as f:
-    f.write(text)
-  os.replace(f.name, path)
-
-
 def write(results: dict, out: str | pathlib.Path, *, plot: bool = True) -> list[pathlib.Path]:
   """Writes results.json, results.md and (with `plot`) the plots into `out`, each file
   atomically; returns the paths. A sweep calls it after each configuration (plot=False),
@@ -316,6 +308,6 @@ def write(results: dict, out: str | pathlib.Path, *, plot: bool = True) -> list[
   validate(results)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  _write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
-  _write_atomically(out / "results.md", markdown(results))
+  _files.write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
+  _files.write_text(out / "results.md", markdown(results))
   return [out / "results.json", out / "results.md", *(plots(results, out) if plot else [])]

@@ -83,7 +83,7 @@ def _base(spec: CompressionSpec | None) -> CompressionSpec:
   """`spec` without the choices each configuration makes (`_PER_CONFIG` in the CLI)."""
   if spec is None:
     return CompressionSpec()
-  return spec.replace(policy="full", budget=None, threshold=None, scorer=None)
+  return spec.replace(policy="full", budget=None, threshold=None, scorer=None, allocation=None)
 
 
 def configuration_specs(
@@ -98,14 +98,18 @@ def configuration_specs(
 ) -> tuple[dict, dict]:
   """Every configuration's spec, {(length, policy, budget): spec}, and (with `resolve`) its
   budget in tokens, built and checked before anything runs: `spec` with each policy and
-  budget (`threshold` where the budget is 'auto', `scorer` where the policy is 'learned')."""
+  budget (`threshold` where the budget is 'auto', `scorer` where the policy is 'learned',
+  `spec`'s allocation where the policy is the one it was learned on)."""
   base = _base(spec)
+  # A tuned head allocation (`kvjax tune`) applies to the policy it was learned on.
+  allocation = None if spec is None else spec.allocation
   specs = {
       c: base.replace(
           policy=c[1],
           budget=c[2],
           threshold=threshold if c[2] == "auto" else None,
           scorer=scorer if c[1] == "learned" else None,
+          allocation=allocation if allocation and allocation.policy == c[1] else None,
       )
       for c in configurations(expand_policies(policies), budgets, context_tokens)
   }

@@ -122,14 +122,15 @@ def answer_from_state(
 
 
 def _ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):
-  """(greedy answer, peak KV bytes) for `question_ids` appended to `state`. The question is
+  """(greedy answer, peak KV bytes, answer ids) for `question_ids` appended to `state`. The question is
   protected, so it stays cached while the answer is generated; `donate=False` leaves `state`
   valid for the next question."""
   state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=donate)
   state, result = decode(
       model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
   )
-  return tokenizer.decode(result.tokens[0], skip_special_tokens=True), state.peak_kv_bytes()
+  tokens = result.tokens[0]
+  return tokenizer.decode(tokens, skip_special_tokens=True), state.peak_kv_bytes(), tokens
 
 
 def _answer(
@@ -155,7 +156,7 @@ def _answer(
       chat=chat,
       seed=seed,
   )
-  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True)
+  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True)[:2]
 
 
 def answer(
@@ -476,7 +477,7 @@ def multi_question(
     )
     # Not donated: every question starts from the same compressed context.
     return [
-        _ask(model, tokenizer, state, q, max_new_tokens=max_new_tokens, donate=False)
+        _ask(model, tokenizer, state, q, max_new_tokens=max_new_tokens, donate=False)[:2]
         for q in questions
     ]
 

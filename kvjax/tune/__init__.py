@@ -1,0 +1,543 @@
+"""`kvjax tune`: picks the compression for a workload from a sample of it.
+
+    result = kvjax.tune(model, tokenizer, text=sample, target="kl=0.05")
+    result.write("tuned/")            # tuned.json, allocation/, front.png
+    spec = kvjax.load_spec("tuned/tuned.json", model)
+
+The sample becomes items (a context, then a continuation: the next text, or a question and
+the full cache's answer), split into a tuning part and a held-out part. On the tuning part:
+
+1. every candidate policy at budgets spaced in log space (compress-once policies exactly and
+   cheaply from one scoring of each context, `_relax`; the others by real runs), which gives
+   each policy's smallest budget that meets the target (the "best fixed setting");
+2. for the best compress-once policy, a head allocation learned with optax (`_search.
+   learn_allocation`: offsets per layer and kv head through a soft, annealed keep-mask,
+   minimising KL to the full cache at the budget), trained on one half of the tuning items
+   and judged on the other, and the smallest budget that meets the target with it, in
+   whole pages; page sizes are compared on the kept counts.
+
+The chosen setting is the one that meets the target with the least memory (or, for a memory
+target, the lowest KL within it). The held-out part then checks the chosen setting and the
+best fixed one with the real pipeline (`kvjax.prefill`, teacher-forced continuations or
+generated answers): the numbers a user should believe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvjax import _files
+from kvjax.seam import ModelShape, model_fingerprint
+from kvjax.spec import CompressionSpec
+from kvjax.tune import _search
+from kvjax.tune._spec_file import FORMAT, load_spec, spec_record
+from kvjax.tune._workload import question_items, split, text_items
+
+__all__ = ["Target", "TuneResult", "load_spec", "parse_target", "tune"]
+
+METRICS = ("kl", "accuracy", "memory")
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What the tuned setting must meet: mean KL to the full cache at most `value` (nats per
+  prediction), answer accuracy at least `value`, or K/V bytes held per request at most
+  `value` (then the lowest KL within it) for any request of the sample's lengths: kept
+  tokens rounded up to whole pages, whatever their spread over heads."""
+
+  metric: str
+  value: float
+
+  def __post_init__(self):
+    if self.metric not in METRICS:
+      raise ValueError(f"target metric must be one of {METRICS}, got {self.metric!r}")
+    if not np.isfinite(self.value) or self.value <= 0:
+      raise ValueError(f"target {self.metric} must be a positive number, got {self.value!r}")
+    if self.metric == "accuracy" and self.value > 1:
+      raise ValueError(f"target accuracy is a share in (0, 1], got {self.value}")
+
+  def meets(self, m: _search.Measured, accuracy: float | None = None) -> bool:
+    if self.metric == "kl":
+      return m.kl <= self.value
+    if self.metric == "accuracy":
+      return accuracy >= self.value
+    return m.kv_bytes_bound <= self.value
+
+  def __str__(self):
+    if self.metric == "memory":
+      return f"memory <= {self.value / 2**20:.2f} MiB per request"
+    return f"{self.metric} {'<=' if self.metric == 'kl' else '>='} {self.value:g}"
+
+
+def parse_target(text: str) -> Target:
+  """'kl=0.03', 'accuracy=0.95' or 'memory=64MiB' (also 'memory=0.5GiB', bytes)."""
+  match = re.fullmatch(r"\s*(kl|accuracy|memory)\s*=\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
+  if not match:
+    raise ValueError(f"target must be kl=X, accuracy=X or memory=SIZE (e.g. 64MiB), got {text!r}")
+  metric, number, unit = match.groups()
+  try:
+    value = float(number)
+  except ValueError:
+    raise ValueError(f"target {metric}: {number!r} is not a number") from None
+  if metric == "memory":
+    if unit.lower() not in _UNITS:
+      raise ValueError(f"memory unit must be one of B, KiB, MiB, GiB, kB, MB; got {unit!r}")
+    value *= _UNITS[unit.lower()]
+  elif unit:
+    raise ValueError(f"target {metric} takes no unit, got {unit!r}")
+  return Target(metric, value)
+
+
+@dataclasses.dataclass
+class Point:
+  """A setting tried on the tuning items and what it measured."""
+
+  spec: CompressionSpec
+  measured: _search.Measured
+  accuracy: float | None
+  learned: bool = False
+  items: str = "tune"  # which tuning items measured it: "tune", or "select" for learned ones
+
+  def record(self) -> dict:
+    m = self.measured
+    return {
+        "policy": self.spec.policy.name,
+        "budget": self.spec.budget,
+        "head_budget": self.spec.sharing,
+        "page_size": self.spec.page_size,
+        "learned_allocation": self.learned,
+        "kl": round(m.kl, 6),
+        "accuracy": None if self.accuracy is None else round(self.accuracy, 4),
+        "kv_mib": round(m.kv_bytes / 2**20, 4),
+        "kv_mib_max": round(m.kv_bytes_max / 2**20, 4),
+        "kept_fraction": round(m.kept_fraction, 4),
+        "items": self.items,
+    }
+
+
+@dataclasses.dataclass
+class TuneResult:
+  """What `tune` chose and measured; `write(dir)` saves it as a tuned spec."""
+
+  spec: CompressionSpec  # the chosen setting (its allocation, if learned, in memory)
+  target: Target
+  reachable: bool
+  why: str
+  chosen: Point
+  baseline: Point | None  # the best fixed setting (a policy with its defaults) that meets it
+  front: list[Point]
+  held_out: dict  # {"chosen": {...}, "baseline": {...}}: real-pipeline checks
+  sample: dict
+  timing: dict
+  model: str
+  fingerprint: str
+
+  def write(self, out: str | pathlib.Path, *, plot: bool = True) -> pathlib.Path:
+    """`out`/tuned.json (+ allocation/, front.png); returns the tuned.json path."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    allocation_dir = None
+    if self.spec.allocation is not None:
+      self.spec.allocation.save(out / "allocation", overwrite=True)
+      allocation_dir = "allocation"
+    record = {
+        "format": FORMAT,
+        "spec": spec_record(self.spec, allocation_dir),
+        "model": self.model,
+        "fingerprint": self.fingerprint,
+        "target": {
+            "metric": self.target.metric,
+            "value": self.target.value,
+            "reachable": self.reachable,
+        },
+        "chosen": self.chosen.record(),
+        "why": self.why,
+        "baseline": None if self.baseline is None else self.baseline.record(),
+        "held_out": self.held_out,
+        "front": [p.record() for p in self.front],
+        "sample": self.sample,
+        "timing": self.timing,
+    }
+    path = out / "tuned.json"
+    _files.write_text(path, json.dumps(record, indent=1) + "\n")
+    if plot:
+      plot_front(self, out / "front.png")
+    return path
+
+  def table(self) -> str:
+    """The Pareto front (and the chosen and baseline points) as a text table."""
+    rows = [
+        "policy              budget   alloc    KV MiB  kept    KL        acc",
+    ]
+    shown = list(self.front)
+    for p in (self.chosen, self.baseline):
+      if p is not None and p not in shown:
+        shown.append(p)
+    for p in sorted(shown, key=lambda p: p.measured.kv_bytes):
+      r = p.record()
+      mark = " <- chosen" if p is self.chosen else (" <- best fixed" if p is self.baseline else "")
+      acc = "" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
+      rows.append(
+          f"{r['policy']:<18} {r['budget']!s:>7}  {'learned' if p.learned else r['head_budget']:<7} "
+          f"{r['kv_mib']:>8.2f}  {r['kept_fraction']:.3f}  {r['kl']:<8.4f}  {acc:>4}{mark}"
+      )
+    return "\n".join(rows)
+
+
+def tune(
+    model,
+    tokenizer,
+    *,
+    text: str | Sequence[int] | None = None,
+    cases: Sequence[dict] | None = None,
+    target: str | Target = "kl=0.05",
+    policies: Sequence[str] = ("kvzip", "expected_attention", "snapkv", "h2o"),
+    context_tokens: int = 1024,
+    continuation_tokens: int = 32,
+    max_items: int = 24,
+    held_out: float = 0.34,
+    steps: int = 40,
+    page_sizes: Sequence[int] = (8, 16, 32),
+    progress: Callable[[str], None] | None = print,
+) -> TuneResult:
+  """Chooses a `CompressionSpec` for a workload sample (see the module docstring).
+
+  Args:
+    text: continuation-fidelity sample (the target is then usually `kl=`).
+    cases: question cases, {"context": text or ids, "question", "answer" (optional)}.
+    target: `Target` or 'kl=X' | 'accuracy=X' | 'memory=SIZE'.
+    policies: candidates (compress-once ones are scored exactly; the others run for real).
+    context_tokens, continuation_tokens, max_items: text windows, evenly spread.
+    held_out: share of the items kept for the final check.
+    steps: optax steps of the allocation.
+  """
+  started = time.perf_counter()
+  say = progress or (lambda _: None)
+  target = parse_target(target) if isinstance(target, str) else target
+  if not isinstance(target, Target):
+    raise TypeError(f"target must be a str or kvjax.tune.Target, got {type(target).__name__}")
+  if (text is None) == (cases is None):
+    raise ValueError("give a text sample (text=) or question cases (cases=), not both or neither")
+  for p in policies:
+    CompressionSpec(policy=p, budget=0.5)  # unknown names fail here
+  once = [p for p in policies if CompressionSpec(policy=p, budget=0.5).once]
+  running = [p for p in policies if p not in once]
+  if not once:
+    raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
+  ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  if text is not None:
+    items = text_items(
+        tokenizer,
+        text,
+        context_tokens=context_tokens,
+        continuation_tokens=continuation_tokens,
+        max_items=max_items,
+    )
+  else:
+    items = question_items(model, tokenizer, list(cases)[:max_items], progress=say)
+    full_accuracy = np.mean([it.correct(it.full_answer) for it in items])
+    if target.metric == "accuracy":
+      say(f"full cache: accuracy {full_accuracy:.2f} on {len(items)} cases")
+  tune_items, held_items = split(items, held_out)
+  items = tune_items + held_items
+  tune_idx = list(range(len(tune_items)))
+  # The allocation is trained on half the tuning items and judged on the other half.
+  fit_idx, select_idx = (tune_idx[0::2], tune_idx[1::2]) if len(tune_idx) > 1 else (tune_idx,) * 2
+  say(
+      f"{len(items)} items ({len(tune_items)} to tune on, {len(held_items)} held out); "
+      f"target {target}"
+  )
+  cal = _search.calibrate(model, tokenizer, items, once, progress=say)
+  timing = {"calibrate_s": round(time.perf_counter() - started, 1)}
+  full_ok = np.asarray([it.correct(it.full_answer) if it.question else True for it in items])
+
+  def measure(spec, index, learned=False, label="tune") -> Point:
+    if spec.once:
+      m = _search.evaluate_once(model, cal, spec, index)
+    else:
+      m = _search.evaluate_running(model, cal, spec, index, tokenizer)
+    agree = np.asarray(m.agree_items) & full_ok[np.asarray(index)]
+    accuracy = float(agree.mean()) if cal.items[0].question else None
+    point = Point(spec, m, accuracy, learned, label)
+    tried.append(point)
+    say(
+        f"  {spec.policy.name} budget {spec.budget} {'learned' if learned else spec.sharing}: "
+        f"KL {m.kl:.4f}, {m.kv_bytes / 2**20:.2f} MiB"
+        + ("" if accuracy is None else f", accuracy {accuracy:.2f}")
+    )
+    return point
+
+  tried: list[Point] = []
+  grid = _search.fractions()
+  lengths = sorted({it.budget_length for it in items})
+
+  def smallest_meeting(make_spec, index, learned=False, label="tune") -> Point | None:
+    """The least-memory budget of the grid (refined by bisection) that meets the target;
+    for a memory target the largest budget within it."""
+    best, below = None, None
+    for rho in grid:
+      spec = _spec_or_none(make_spec, rho, lengths)
+      if spec is None:
+        continue
+      point = measure(spec, index, learned, label)
+      ok = target.meets(point.measured, point.accuracy)
+      if target.metric == "memory":
+        if not ok:
+          break
+        best = point
+      elif ok:
+        best = point
+        break
+      else:
+        below = rho
+    if best is not None and below is not None and target.metric != "memory":
+      lo, hi = below, best.spec.budget
+      for _ in range(3):
+        mid = round((lo + hi) / 2, 4)
+        spec = _spec_or_none(make_spec, mid, lengths)
+        if spec is None:
+          break
+        point = measure(spec, index, learned, label)
+        if target.meets(point.measured, point.accuracy):
+          best, hi = point, mid
+        else:
+          lo = mid
+    return best
+
+  # 1. Every policy with its defaults: the best fixed setting.
+  fixed = {}
+  for p in once:
+    say(f"{p}: budgets {grid[0]}..{grid[-1]}")
+    fixed[p] = smallest_meeting(lambda rho, p=p: CompressionSpec(policy=p, budget=rho), tune_idx)
+  best_once = _best(fixed.values(), target)
+  for p in running:  # only where it could beat the best so far: at or below its budget
+    if best_once is None:
+      break
+    say(f"{p}: at budget {best_once.spec.budget} (runs each item)")
+    spec = CompressionSpec(policy=p, budget=best_once.spec.budget)
+    point = measure(spec, tune_idx)
+    fixed[p] = point if target.meets(point.measured, point.accuracy) else None
+  baseline = _best(fixed.values(), target)
+  timing["fixed_s"] = round(time.perf_counter() - started - timing["calibrate_s"], 1)
+
+  # 2. A learned allocation for the best compress-once policy, at its budget.
+  chosen = baseline
+  policy = (best_once or _closest(tried, target)).spec.policy.name
+  at = (best_once or _closest(tried, target)).spec.budget
+  say(f"learning a head allocation for {policy} at budget {at} ({steps} optax steps)")
+  learn_started = time.perf_counter()
+  allocation = _search.learn_allocation(
+      model,
+      cal,
+      CompressionSpec(policy=policy, budget=at),
+      index=fit_idx,
+      steps=steps,
+      progress=say,
+  )
+  timing["learn_s"] = round(time.perf_counter() - learn_started, 1)
+  # Judged on the tuning items it was not trained on, against the policy's own defaults on
+  # the same items.
+  plain = smallest_meeting(
+      lambda rho: CompressionSpec(policy=policy, budget=rho), select_idx, label="select"
+  )
+  learned = smallest_meeting(
+      lambda rho: CompressionSpec(policy=policy, budget=rho, allocation=allocation),
+      select_idx,
+      learned=True,
+      label="select",
+  )
+  if learned is not None and (plain is None or _better(learned, plain, target)):
+    learned = _page_size(learned, page_sizes, lengths, select_idx, measure, target)
+    chosen_spec = learned.spec
+    chosen = learned
+    why = (
+        f"{policy} with the learned head allocation meets {target} on held-in items it was not "
+        f"trained on at budget {learned.spec.budget} ({learned.measured.kv_bytes / 2**20:.2f} "
+        f"MiB), where {policy}'s default ranking needs "
+        + (
+            "more than any budget tried"
+            if plain is None
+            else f"budget {plain.spec.budget} ({plain.measured.kv_bytes / 2**20:.2f} MiB)"
+        )
+    )
+  elif baseline is not None:
+    chosen_spec = baseline.spec
+    why = (
+        f"the learned allocation did not beat {policy}'s default ranking on held-in items; "
+        f"{baseline.spec.policy.name} at budget {baseline.spec.budget} is the least memory "
+        f"meeting {target}"
+    )
+  else:
+    chosen_spec, chosen = None, None
+    why = ""
+  reachable = chosen is not None
+  if not reachable:
+    chosen = _closest(tried, target)
+    chosen_spec = chosen.spec
+    why = (
+        f"no setting tried meets {target} (the best: {chosen.spec.policy.name} at budget "
+        f"{chosen.spec.budget}, KL {chosen.measured.kl:.4f}); the target is not reachable "
+        "with these policies: the closest setting is written, marked unreachable"
+    )
+  say(why)
+
+  # 3. The held-out check, with the real pipeline.
+  held_idx = list(range(len(tune_items), len(items)))
+  check_started = time.perf_counter()
+  held = {"chosen": _search.held_out_check(model, tokenizer, cal, chosen_spec, held_idx)}
+  if baseline is not None and baseline.spec != chosen_spec:
+    held["baseline"] = _search.held_out_check(model, tokenizer, cal, baseline.spec, held_idx)
+  for name, result in held.items():
+    result["meets_target"] = _held_meets(target, result)
+    say(f"held out ({len(held_idx)} items), {name}: {result}")
+  timing["held_out_s"] = round(time.perf_counter() - check_started, 1)
+  timing["total_s"] = round(time.perf_counter() - started, 1)
+  sample = {
+      "items": len(items),
+      "tune_items": len(tune_items),
+      "held_out_items": len(held_items),
+      "kind": "text" if text is not None else "questions",
+      "context_tokens": [len(it.ids) for it in items],
+      "sample_tokens": len(tokenizer.encode(text)) if isinstance(text, str) else None,
+  }
+  return TuneResult(
+      spec=chosen_spec,
+      target=target,
+      reachable=reachable,
+      why=why,
+      chosen=chosen,
+      baseline=baseline,
+      front=_pareto(tried),
+      held_out=held,
+      sample=sample,
+      timing=timing,
+      model=str(getattr(model.config, "name", type(model).__name__)),
+      fingerprint=model_fingerprint(model),
+  )
+
+
+def _spec_or_none(make_spec, rho, lengths):
+  """`make_spec(rho)`, or None where its budget is too small for the protected tokens of
+  some item (of `lengths` tokens)."""
+  try:
+    spec = make_spec(rho)
+    for length in lengths:
+      spec.budget_tokens(length)
+    return spec
+  except ValueError:
+    return None
+
+
+def _cost(point: Point, target: Target) -> float:
+  """Lower is better: memory for quality targets, KL for a memory target."""
+  return point.measured.kl if target.metric == "memory" else point.measured.kv_bytes
+
+
+def _better(a: Point, b: Point, target: Target) -> bool:
+  return _cost(a, target) < _cost(b, target)
+
+
+def _best(points, target: Target) -> Point | None:
+  points = [p for p in points if p is not None]
+  return min(points, key=lambda p: _cost(p, target)) if points else None
+
+
+def _closest(points: Sequence[Point], target: Target) -> Point:
+  """The point nearest to meeting the target (lowest KL, or highest accuracy)."""
+  if target.metric == "accuracy":
+    return max(points, key=lambda p: (p.accuracy, -p.measured.kl))
+  if target.metric == "memory":
+    return min(points, key=lambda p: p.measured.kv_bytes_bound)
+  return min(points, key=lambda p: p.measured.kl)
+
+
+def _pareto(points: Sequence[Point]) -> list[Point]:
+  """The points no other point beats on both memory and KL."""
+  front = []
+  for p in points:
+    if not any(
+        q.measured.kv_bytes <= p.measured.kv_bytes
+        and q.measured.kl <= p.measured.kl
+        and (q.measured.kv_bytes < p.measured.kv_bytes or q.measured.kl < p.measured.kl)
+        for q in points
+    ):
+      front.append(p)
+  return sorted(front, key=lambda p: p.measured.kv_bytes)
+
+
+def _page_size(point, page_sizes, lengths, index, measure, target) -> Point:
+  """The chosen compress-once setting at the page size that holds the least (pages round
+  each head's kept tokens up; the kept tokens, hence quality, do not change)."""
+  best = point
+  for size in page_sizes:
+    if size == point.spec.page_size:
+      continue
+    spec = _spec_or_none(lambda _: point.spec.replace(page_size=size), None, lengths)
+    if spec is None:
+      continue
+    candidate = measure(spec, index, point.learned, point.items)
+    if target.meets(candidate.measured, candidate.accuracy) and _better(candidate, best, target):
+      best = candidate
+  return best
+
+
+def _held_meets(target: Target, result: dict) -> bool:
+  if target.metric == "kl":
+    return result["kl"] <= target.value
+  if target.metric == "accuracy":
+    return result["accuracy"] >= target.value
+  return result["kv_bytes_max"] <= target.value
+
+
+def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
+  """Quality vs memory of every point on the front, the chosen and the best fixed one."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+  by_kind = {}
+  for p in result.front:
+    key = f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
+    by_kind.setdefault(key, []).append(p)
+  for key, points in sorted(by_kind.items()):
+    points = sorted(points, key=lambda p: p.measured.kv_bytes)
+    ax.plot(
+        [p.measured.kv_bytes / 2**20 for p in points],
+        [max(p.measured.kl, 1e-6) for p in points],
+        marker="o",
+        label=key,
+    )
+  for p, label, style in ((result.chosen, "chosen", "*"), (result.baseline, "best fixed", "s")):
+    if p is not None:
+      ax.scatter(
+          [p.measured.kv_bytes / 2**20],
+          [max(p.measured.kl, 1e-6)],
+          marker=style,
+          s=160,
+          zorder=5,
+          label=label,
+          edgecolors="black",
+      )
+  if result.target.metric == "kl":
+    ax.axhline(result.target.value, color="gray", linestyle="--", label=str(result.target))
+  elif result.target.metric == "memory":
+    ax.axvline(result.target.value / 2**20, color="gray", linestyle="--", label=str(result.target))
+  ax.set_yscale("log")
+  ax.set_xlabel("K/V MiB held per request (mean over tuning items)")
+  ax.set_ylabel("KL(full || compressed), nats")
+  ax.set_title(f"kvjax tune: {result.model}")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return path

@@ -1,0 +1,276 @@
+"""kvjax tune: the relaxation, its exact (hard) evaluation against the real pipeline, the
+learned allocation, targets, and the tuned spec file."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax import cli
+from kvjax.allocation import HeadAllocation
+from kvjax.eval import fidelity
+from kvjax.testing import ByteTokenizer, tiny_llama
+from kvjax.tune import _relax, _search, _workload, load_spec, parse_target, tune
+
+CONTEXT, CONTINUATION = 96, 12
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_llama(n_layers=2, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def calibration(model, tokenizer):
+  ids = np.random.default_rng(0).integers(3, 250, 800).tolist()
+  items = _workload.text_items(
+      tokenizer, ids, context_tokens=CONTEXT, continuation_tokens=CONTINUATION, max_items=4
+  )
+  return _search.calibrate(model, tokenizer, items, ["kvzip", "expected_attention"])
+
+
+def _random_allocation(model, policy, seed=1):
+  shape = (model.config.n_layers, model.config.n_kv_heads)
+  offsets = np.random.default_rng(seed).normal(0, 1.5, shape).astype(np.float32)
+  return HeadAllocation(
+      offsets=offsets,
+      policy=policy,
+      log_scores=True,
+      scale=2.0,
+      model="tiny",
+      fingerprint=kvjax.seam.model_fingerprint(model),
+  )
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "expected_attention"])
+@pytest.mark.parametrize("allocated", [False, True])
+@pytest.mark.parametrize("budget", [0.2, 0.5])
+def test_hard_evaluation_equals_the_real_pipeline(
+    model, tokenizer, calibration, policy, allocated, budget
+):
+  """Masking the full context's K/V is what prefill + compression keeps: same KL (the
+  real fidelity also counts the first prediction, made before compression: KL 0), same
+  kept tokens and bytes."""
+  spec = kvjax.CompressionSpec(policy=policy, budget=budget)
+  if allocated:
+    spec = spec.replace(allocation=_random_allocation(model, policy))
+  measured = _search.evaluate_once(model, calibration, spec)
+  for i, item in enumerate(calibration.items):
+    real = fidelity(model, list(item.ids), list(item.continuation), spec, tokenizer=tokenizer)
+    t = len(item.continuation)
+    np.testing.assert_allclose(measured.kl_items[i], real["kl"] * t / (t - 1), rtol=2e-3, atol=1e-7)
+    state = kvjax.prefill(model, [list(item.ids)], spec, tokenizer=tokenizer, reserve=t)
+    kept = np.asarray(state.cache.length).sum() / (state.cache.length.size * CONTEXT)
+    assert kept == pytest.approx(real["kept_fraction"])
+  assert measured.kept_fraction == pytest.approx(real["kept_fraction"], abs=1e-6)
+  held = _search.held_out_check(model, tokenizer, calibration, spec, range(4))
+  np.testing.assert_allclose(held["kl"], measured.kl, rtol=2e-3, atol=1e-6)  # rounded to 1e-6
+  assert held["kv_mib"] == pytest.approx(measured.kv_bytes / 2**20, abs=1e-4)
+  assert held["kv_bytes_max"] == measured.kv_bytes_max
+
+
+def test_an_allocation_moves_memory_between_heads(model, calibration):
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.3)
+  sel = np.arange(2)
+  batch = _search.make_batch(calibration, spec, sel)
+  raw = jnp.asarray(calibration.scores["kvzip"][:, sel])
+  plain = _relax.hard_keep(raw, batch, "global").sum(-1)
+  offsets = np.zeros((2, 2), np.float32)
+  offsets[0, 0] = 50.0  # layer 0, head 0 outranks everything
+  favoured = HeadAllocation(offsets, "kvzip", True, 1.0, "tiny", "x")
+  moved = _relax.hard_keep(favoured.rank(raw), batch, "global").sum(-1)
+  assert (moved.sum((0, 2)) == plain.sum((0, 2))).all()  # the same budget per item
+  assert (moved[0, :, 0] > plain[0, :, 0]).all()
+  fixed = int(batch.fixed[0].sum())  # sink + recent: what every other head keeps now
+  others = np.asarray(moved).copy()
+  others[0, :, 0] = fixed
+  assert (others == fixed).all()
+
+
+def test_the_soft_mask_keeps_the_budget_in_expectation(calibration):
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25)
+  batch = _search.make_batch(calibration, spec, np.arange(3))
+  z = jnp.log(jnp.maximum(jnp.asarray(calibration.scores["kvzip"][:, :3]), 1e-12))
+  for temperature in (1.0, 0.1):
+    keep = jnp.exp(_relax.soft_log_keep(z, batch, temperature))
+    np.testing.assert_allclose(keep.sum((0, 2, 3)), batch.kept, rtol=1e-3)
+    fixed = jnp.broadcast_to(batch.fixed[None, :, None, :], keep.shape)
+    assert bool((keep[fixed] == 1.0).all())  # sink, recent and marked tokens always kept
+
+
+def test_the_relaxed_loss_has_a_finite_nonzero_gradient(model, calibration):
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.2)
+  batch = _search.make_batch(calibration, spec, np.arange(2))
+  z = jnp.log(jnp.maximum(jnp.asarray(calibration.scores["kvzip"][:, :2]), 1e-12))
+  graphdef, params = nnx.split(model)
+  offsets = jnp.zeros((2, 2), jnp.float32)
+  loss, grads = jax.value_and_grad(_relax.relaxed_loss)(
+      offsets, graphdef, params, batch, z, 0.5, 0.0
+  )
+  assert np.isfinite(float(loss)) and float(loss) > 0
+  assert bool(jnp.isfinite(grads).all()) and float(jnp.abs(grads).max()) > 0
+  assert float(grads.sum()) == pytest.approx(0.0, abs=1e-6)  # only differences matter
+
+
+def test_learning_lowers_the_relaxed_loss(model, calibration):
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.2)
+  allocation = _search.learn_allocation(model, calibration, spec, steps=12, l2=0.0)
+  assert allocation.offsets.shape == (2, 2) and abs(allocation.offsets.mean()) < 1e-5
+  batch = _search.make_batch(calibration, spec, np.arange(4))
+  z = (
+      allocation.rank(jnp.asarray(calibration.scores["kvzip"]))
+      - allocation.offsets[:, None, :, None]
+  )
+  graphdef, params = nnx.split(model)
+  before, after = (
+      float(_relax.relaxed_loss(jnp.asarray(o), graphdef, params, batch, z, 0.1, 0.0))
+      for o in (np.zeros((2, 2), np.float32), allocation.offsets)
+  )
+  assert after < before
+  tuned = spec.replace(allocation=allocation)
+  assert _search.evaluate_once(model, calibration, tuned).kept_fraction == pytest.approx(
+      _search.evaluate_once(model, calibration, spec).kept_fraction, abs=1e-6
+  )
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("kl=0.03", ("kl", 0.03)),
+        ("accuracy=0.95", ("accuracy", 0.95)),
+        ("memory=64MiB", ("memory", 64 * 2**20)),
+        ("memory=1.5kB", ("memory", 1500.0)),
+    ],
+)
+def test_targets_parse(text, expected):
+  target = parse_target(text)
+  assert (target.metric, target.value) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["kl", "kl=-1", "accuracy=1.5", "memory=64XB", "kl=0.1MiB", "speed=3", "kl=nan"]
+)
+def test_bad_targets_are_refused(text):
+  with pytest.raises(ValueError, match="target|memory unit"):
+    parse_target(text)
+
+
+def _sample():
+  return np.random.default_rng(0).integers(3, 250, 1000).tolist()
+
+
+def test_a_memory_target_is_respected_in_whole_pages(model, tokenizer, tmp_path):
+  """The pages each head's kept tokens round up to count: the chosen setting holds at most
+  the target on every tuning and held-out item, measured by the real pipeline."""
+  limit = 10 * 2**10  # bytes per request
+  result = tune(
+      model,
+      tokenizer,
+      text=_sample(),
+      target=f"memory={limit}B",
+      policies=("kvzip",),
+      context_tokens=CONTEXT,
+      continuation_tokens=CONTINUATION,
+      max_items=6,
+      steps=4,
+      progress=None,
+  )
+  assert result.reachable
+  assert result.chosen.measured.kv_bytes_bound <= limit
+  assert result.chosen.measured.kv_bytes_max <= limit
+  assert result.held_out["chosen"]["kv_bytes_max"] <= limit
+  assert result.held_out["chosen"]["meets_target"]
+  path = result.write(tmp_path)
+  spec = load_spec(path, model)
+  assert spec == result.spec or spec.allocation == result.spec.allocation
+  assert (tmp_path / "front.png").stat().st_size > 1000
+  record = json.loads(path.read_text())
+  assert record["target"] == {"metric": "memory", "value": limit, "reachable": True}
+
+
+def test_an_unreachable_target_is_reported_not_relaxed(model, tokenizer, tmp_path):
+  result = tune(
+      model,
+      tokenizer,
+      text=_sample(),
+      target="kl=1e-12",
+      policies=("kvzip",),
+      context_tokens=CONTEXT,
+      continuation_tokens=CONTINUATION,
+      max_items=4,
+      steps=2,
+      progress=None,
+  )
+  assert not result.reachable
+  assert "not reachable" in result.why
+  assert not result.held_out["chosen"]["meets_target"]
+  record = json.loads(result.write(tmp_path, plot=False).read_text())
+  assert record["target"]["reachable"] is False
+
+
+def _tuned_file(tmp_path, model, **changes):
+  allocation = _random_allocation(model, "kvzip").save(tmp_path / "allocation")
+  record = {
+      "format": "kvjax-tuned/1",
+      "spec": {"policy": "kvzip", "budget": 0.25, "allocation": "allocation"},
+      "model": "tiny",
+      "fingerprint": allocation.fingerprint,
+  }
+  record.update(changes)
+  path = tmp_path / "tuned.json"
+  path.write_text(json.dumps(record))
+  return path
+
+
+def test_a_tuned_spec_file_loads_with_its_allocation(model, tmp_path):
+  spec = load_spec(_tuned_file(tmp_path, model), model)
+  assert spec.policy.name == "kvzip" and spec.budget == 0.25
+  np.testing.assert_array_equal(spec.allocation.offsets, _random_allocation(model, "kvzip").offsets)
+  state = kvjax.prefill(model, [list(range(3, 99))], spec)
+  kvjax.testing.assert_compressed_once(state, 96)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"speed": 3}, "unknown keys"),
+        ({"format": "kvjax-tuned/0"}, "format"),
+        ({"spec": {"policy": "kvzip", "budget": 2.5}}, "fractional budget"),
+        ({"spec": {"policy": "kvzip", "budget": 0.25, "pages": 3}}, "unknown spec fields"),
+        ({"spec": {"policy": "h2o", "budget": 0.25, "allocation": "allocation"}}, "applies to"),
+        ({"spec": {"policy": "kvzip", "budget": 0.25, "allocation": "missing"}}, "not a kvjax"),
+        ({"fingerprint": "0" * 32}, "tuned for"),
+    ],
+)
+def test_a_bad_tuned_spec_file_is_refused_naming_the_problem(model, tmp_path, changes, message):
+  with pytest.raises(ValueError, match=message):
+    load_spec(_tuned_file(tmp_path, model, **changes), model)
+
+
+def test_an_allocation_for_another_model_is_refused(model, tmp_path):
+  other = tiny_llama(n_layers=2, max_context=256, seed=5)
+  spec = load_spec(_tuned_file(tmp_path, model), None)
+  with pytest.raises(ValueError, match="learned for"):
+    kvjax.prefill(other, [list(range(3, 99))], spec)
+
+
+def test_cli_tune_errors_are_one_line(tmp_path, capsys):
+  for argv, message in (
+      (["tune", "--target", "kl=x"], "target"),
+      (["tune", "--target", "kl=0.1", "--memory", "1MiB"], "not both"),
+      (["tune", "--held-out", "1.5"], "--held-out"),
+      (["tune", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)], "cannot read"),
+      (["generate", "--spec", str(tmp_path / "missing.json"), "hi"], "no such tuned spec"),
+  ):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
