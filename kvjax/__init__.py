@@ -8,6 +8,8 @@ The session API (any model with the seam of `kvjax.seam`):
     state = kvjax.extend(model, state, follow_ups)
     a, b = kvjax.fork(state, 2)
     kvjax.save_state("doc.kvjax", state, model)     # orbax; kvjax.load_state in any process
+    kvjax.tune(model, tokenizer, text=sample, target="kl=0.05").write("tuned")
+    spec = kvjax.load_spec("tuned/tuned.json", model)   # the setting kvjax chose
 
 `kvjax.generate` does prefill + decode in one call; the cache primitives below (`init_cache`,
 `append`, `evict`) are the layer underneath.
@@ -44,6 +46,7 @@ from kvjax.session import (
     prefill,
 )
 from kvjax.spec import CompressionSpec
+from kvjax.tuning import load_spec, tune
 
 __version__ = "0.1.0"
 
@@ -74,6 +77,7 @@ __all__ = [
     "fork",
     "generate",
     "init_cache",
+    "load_spec",
     "load_state",
     "logical_view",
     "prefill",
@@ -81,5 +85,6 @@ __all__ = [
     "read_sequence",
     "save_state",
     "state_info",
+    "tune",
     "valid_mask",
 ]

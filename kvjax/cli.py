@@ -121,7 +121,7 @@ def spec_from_args(args, sweep: bool = False):
   skip = _PER_CONFIG if sweep else ()
   if getattr(args, "spec", None) is None:
     return _from_args(CompressionSpec, args, skip=skip)
-  from kvjax.tune import load_spec
+  from kvjax.tuning import load_spec
 
   tuned = load_spec(args.spec)
   given = _given(CompressionSpec, args, skip)
@@ -133,7 +133,7 @@ def spec_from_args(args, sweep: bool = False):
 def check_spec_model(args, model) -> None:
   """A tuned spec (`--spec`) must have been tuned for the model it runs with."""
   if getattr(args, "spec", None) is not None:
-    from kvjax.tune import load_spec
+    from kvjax.tuning import load_spec
 
     load_spec(args.spec, model)
 
@@ -609,7 +609,7 @@ def _tune(args) -> int:
   import pathlib
 
   from kvjax.eval import _data, _report
-  from kvjax.tune import parse_target, tune
+  from kvjax.tuning import parse_target, tune
 
   sources = [name for name in ("text", "jsonl", "task") if getattr(args, name) is not None]
   if len(sources) > 1:

@@ -14,7 +14,7 @@ from kvjax import cli
 from kvjax.allocation import HeadAllocation
 from kvjax.eval import fidelity
 from kvjax.testing import ByteTokenizer, tiny_llama
-from kvjax.tune import _relax, _search, _workload, load_spec, parse_target, tune
+from kvjax.tuning import _relax, _search, _workload, load_spec, parse_target, tune
 
 CONTEXT, CONTINUATION = 96, 12
 
@@ -76,6 +76,24 @@ def test_hard_evaluation_equals_the_real_pipeline(
   np.testing.assert_allclose(held["kl"], measured.kl, rtol=2e-3, atol=1e-6)  # rounded to 1e-6
   assert held["kv_mib"] == pytest.approx(measured.kv_bytes / 2**20, abs=1e-4)
   assert held["kv_bytes_max"] == measured.kv_bytes_max
+
+
+def test_running_policies_are_measured_against_the_same_predictions(model, tokenizer, calibration):
+  """A running policy whose budget evicts nothing has the full cache's predictions; one that
+  evicts is measured as kvjax.eval measures it (the first prediction left out)."""
+  roomy = _search.evaluate_running(
+      model, calibration, kvjax.CompressionSpec(policy="h2o", budget=0.99), [0, 1], tokenizer
+  )
+  assert max(roomy.kl_items) < 1e-5 and roomy.agree == 1.0 and roomy.kept_fraction == 1.0
+  spec = kvjax.CompressionSpec(policy="h2o", budget=0.25)
+  tight = _search.evaluate_running(model, calibration, spec, [0], tokenizer)
+  item = calibration.items[0]
+  reference, _ = kvjax.eval.continuation_logits(
+      model, list(item.ids), list(item.continuation), spec.full_cache()
+  )
+  logits, _ = kvjax.eval.continuation_logits(model, list(item.ids), list(item.continuation), spec)
+  expected = kvjax.eval.compare_predictions(reference[1:], logits[1:], item.continuation[1:])
+  assert tight.kl_items[0] == pytest.approx(expected["kl"], rel=2e-3)
 
 
 def test_an_allocation_moves_memory_between_heads(model, calibration):
@@ -264,13 +282,31 @@ def test_an_allocation_for_another_model_is_refused(model, tmp_path):
 
 
 def test_cli_tune_errors_are_one_line(tmp_path, capsys):
+  # (More in docs/cli.md's table, which tests/test_cli_errors.py runs.)
   for argv, message in (
-      (["tune", "--target", "kl=x"], "target"),
-      (["tune", "--target", "kl=0.1", "--memory", "1MiB"], "not both"),
       (["tune", "--held-out", "1.5"], "--held-out"),
+      (["tune", "--items", "1"], "--items"),
       (["tune", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path)], "cannot read"),
-      (["generate", "--spec", str(tmp_path / "missing.json"), "hi"], "no such tuned spec"),
   ):
     assert cli.main(argv) == cli.EXIT_USAGE
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.slow  # the default model: about 2 minutes
+def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
+  out = tmp_path / "tuned"
+  argv = ["tune", "--target", "kl=0.5", "--out", str(out), "--policies", "kvzip"]
+  argv += ["--context-tokens", "256", "--continuation-tokens", "8", "--items", "4"]
+  assert cli.main([*argv, "--steps", "2", "--quiet"]) in (0, 1)
+  table = capsys.readouterr().out
+  assert "chosen:" in table and "held out" in table
+  record = json.loads((out / "tuned.json").read_text())
+  assert record["spec"]["policy"] == "kvzip" and (out / "front.png").stat().st_size > 1000
+  spec_file = str(out / "tuned.json")
+  assert cli.main(["generate", "--spec", spec_file, "--json", "--max-new-tokens", "4", "Hi"]) == 0
+  assert json.loads(capsys.readouterr().out)["tokens"]
+  assert cli.main(["eval", "fidelity", "--spec", spec_file, "--quick", "--quiet",
+                   "--out", str(tmp_path / "eval")]) == 0
+  results = json.loads((tmp_path / "eval" / "results.json").read_text())
+  assert {r["policy"] for r in results["rows"]} == {"full", "kvzip"}

@@ -40,7 +40,8 @@ def continuation_logits(
   )
   if stats is not None:
     lengths = np.asarray(state.cache.length)
-    stats["kept_fraction"] = float(lengths.sum() / (lengths.size * len(context_ids)))
+    read = int(state.position[0])  # context tokens read (ids, or Segments' tokens)
+    stats["kept_fraction"] = float(lengths.sum() / (lengths.size * read))
     stats["kv_bytes"] = state.kv_bytes()
   first = state.logits
   if len(continuation_ids) == 1:

@@ -14,10 +14,10 @@ from flax import nnx
 
 from kvjax.allocation import HeadAllocation, transform
 from kvjax.seam import ModelShape, model_fingerprint
-from kvjax.session import decode, prefill, scored_context
+from kvjax.session import prefill, scored_context
 from kvjax.spec import CompressionSpec
-from kvjax.tune import _relax
-from kvjax.tune._workload import Item
+from kvjax.tuning import _relax
+from kvjax.tuning._workload import Item
 
 Progress = Callable[[str], None]
 
@@ -149,6 +149,7 @@ class Measured:
   """A setting's quality and memory on a set of items."""
 
   kl: float  # mean over items of the mean KL(full || compressed) per scored prediction
+  kl_se: float  # its standard error over items
   agree: float  # share of items whose every scored prediction has the full cache's top token
   kv_bytes: float  # mean K/V bytes held per item once its context is compressed
   kv_bytes_max: int
@@ -185,20 +186,33 @@ def evaluate_once(
   return _measured(cal, spec, index, kls, agrees, counts)
 
 
-def _measured(cal, spec, index, kls, agrees, counts) -> Measured:
-  ps = spec.page_size
-  page_bytes = 2 * ps * cal.shape.head_dim * np.dtype(spec.kv_dtype or cal.shape.dtype).itemsize
-  held = (-(-counts // ps)).sum((0, 2)) * page_bytes  # [items]
-  lengths = cal.lengths[np.asarray(index)]
+def _standard_error(values) -> float:
+  values = np.asarray(values, np.float64)
+  return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def _page_bytes(cal: Calibration, spec: CompressionSpec) -> int:
+  dtype = np.dtype(spec.kv_dtype or cal.shape.dtype)
+  return 2 * spec.page_size * cal.shape.head_dim * dtype.itemsize
+
+
+def _bytes_bound(cal: Calibration, spec: CompressionSpec, index) -> int:
   sequences = cal.shape.n_layers * cal.shape.n_kv_heads
-  kept = counts.sum((0, 2)) / (lengths * sequences)
-  bound = max(page_bytes * _page_bound(spec, cal.items[i].budget_length, sequences) for i in index)
+  pages = max(_page_bound(spec, cal.items[i].budget_length, sequences) for i in index)
+  return pages * _page_bytes(cal, spec)
+
+
+def _measured(cal, spec, index, kls, agrees, counts) -> Measured:
+  held = (-(-counts // spec.page_size)).sum((0, 2)) * _page_bytes(cal, spec)  # [items]
+  lengths = cal.lengths[np.asarray(index)]
+  kept = counts.sum((0, 2)) / (lengths * cal.shape.n_layers * cal.shape.n_kv_heads)
   return Measured(
       kl=float(np.mean(kls)),
+      kl_se=_standard_error(kls),
       agree=float(np.mean(agrees)),
       kv_bytes=float(held.mean()),
       kv_bytes_max=int(held.max()),
-      kv_bytes_bound=int(bound),
+      kv_bytes_bound=_bytes_bound(cal, spec, index),
       kept_fraction=float(kept.mean()),
       kl_items=tuple(float(k) for k in kls),
       agree_items=tuple(bool(a) for a in agrees),
@@ -227,24 +241,44 @@ def evaluate_running(
     tokenizer=None,
 ) -> Measured:
   """A spec whose policy evicts while it reads: each item prefilled and fed its
-  continuation for real (eviction while reading and decoding applies), against the
-  calibrated full-cache predictions."""
+  continuation for real (`kvjax.eval.continuation_logits`: eviction while reading and
+  decoding applies), against the calibrated full-cache predictions."""
+  from kvjax.eval._fidelity import continuation_logits
+  from kvjax.eval._tasks import _at_budget
+
   index = list(range(len(cal.items))) if index is None else list(index)
-  kls, agrees, counts = [], [], []
+  kls, agrees, held, kept = [], [], [], []
   for i in index:
     item = cal.items[i]
+    stats = {}
+    logits, _ = continuation_logits(
+        model,
+        item.prompt,
+        item.continuation,
+        _at_budget(spec, item.budget_length),
+        tokenizer=tokenizer,
+        stats=stats,
+    )
+    held.append(stats["kv_bytes"])
+    kept.append(stats["kept_fraction"])
     t = len(item.continuation) - 1
-    state = prefill(model, [item.prompt], spec, tokenizer=tokenizer, reserve=t + 1)
-    counts.append(np.asarray(state.cache.length)[:, 0, :][:, None, :])
-    forced = jnp.asarray([item.continuation[:t]], jnp.int32)
-    _, result = decode(model, state, t, forced=forced, return_logits=True, donate=True)
-    logprobs = jax.nn.log_softmax(result.logits[0].astype(jnp.float32), -1)
+    logprobs = jax.nn.log_softmax(jnp.asarray(logits[1:], jnp.float32), -1)  # of cont[1:]
     teacher = jnp.asarray(cal.teacher[i, :t])
     weights = jnp.asarray(cal.weights[i, :t])
     kls.append(float(_relax.kl_per_item(teacher[None], logprobs[None], weights[None])[0]))
     same = (jnp.argmax(logprobs, -1) == jnp.argmax(teacher, -1)) | (weights == 0)
     agrees.append(bool(same.all()))
-  return _measured(cal, spec, index, kls, agrees, np.concatenate(counts, axis=1))
+  return Measured(
+      kl=float(np.mean(kls)),
+      kl_se=_standard_error(kls),
+      agree=float(np.mean(agrees)),
+      kv_bytes=float(np.mean(held)),
+      kv_bytes_max=int(np.max(held)),
+      kv_bytes_bound=_bytes_bound(cal, spec, index),
+      kept_fraction=float(np.mean(kept)),
+      kl_items=tuple(kls),
+      agree_items=tuple(agrees),
+  )
 
 
 # ---- learning an allocation --------------------------------------------------------------
@@ -259,12 +293,14 @@ def learn_allocation(
     steps: int = 60,
     learning_rate: float = 0.1,
     temperatures: tuple[float, float] = (1.0, 0.1),
-    l2: float = 0.01,
+    l2: float = 0.03,
+    init: HeadAllocation | None = None,
     progress: Progress | None = None,
 ) -> HeadAllocation:
   """Per-(layer, kv head) offsets for `spec`'s policy at `spec`'s budget, by Adam on the
   relaxed loss (soft keep-masks whose temperature anneals geometrically between
-  `temperatures`), over the items `index`, a minibatch of `BATCH` per step."""
+  `temperatures`), over the items `index`, a minibatch of `BATCH` per step; from `init`'s
+  offsets (learned for the same policy on the same calibration) or zeros."""
   graphdef, params = nnx.split(model)
   index = list(range(len(cal.items))) if index is None else list(index)
   raw = cal.scores[spec.policy.name]
@@ -274,7 +310,7 @@ def learn_allocation(
   scale = float(np.std(z[valid])) or 1.0
   z = (z / scale).astype(np.float32)
   l, h = cal.shape.n_layers, cal.shape.n_kv_heads
-  offsets = jnp.zeros((l, h), jnp.float32)
+  offsets = jnp.zeros((l, h), jnp.float32) if init is None else jnp.asarray(init.offsets)
   optimizer = optax.adam(learning_rate)
   opt_state = optimizer.init(offsets)
   grad_fn = jax.jit(jax.value_and_grad(_relax.relaxed_loss), static_argnames=("graphdef",))
@@ -320,11 +356,14 @@ def fractions(low: float = 0.04, high: float = 0.7, count: int = 9) -> list[floa
   return [round(float(x), 4) for x in np.geomspace(low, high, count)]
 
 
-def held_out_check(model, tokenizer, cal: Calibration, spec: CompressionSpec, index) -> dict:
+def held_out_check(
+    model, tokenizer, cal: Calibration, spec: CompressionSpec, index, references=None
+) -> dict:
   """`spec` on held-out items with the real pipeline, as `kvjax.eval` runs it: the context
   prefilled (and compressed) by `kvjax.prefill` with the budget resolved per request, then
   the continuation teacher-forced (KL against the full cache run the same way, over the same
-  predictions as the tuning items) or the question answered greedily (accuracy)."""
+  predictions as the tuning items) or the question answered greedily (accuracy).
+  `references` (a dict) keeps the full cache's logits per item for the next call."""
   from kvjax.eval._fidelity import continuation_logits
   from kvjax.eval._tasks import _ask, _at_budget
 
@@ -334,7 +373,10 @@ def held_out_check(model, tokenizer, cal: Calibration, spec: CompressionSpec, in
     resolved = _at_budget(spec, item.budget_length) if spec.evicts else spec
     if item.question is None:
       ids, cont = list(item.ids), list(item.continuation)
-      reference, _ = continuation_logits(model, ids, cont, spec.full_cache())
+      references = {} if references is None else references
+      if i not in references:
+        references[i] = continuation_logits(model, ids, cont, spec.full_cache())[0]
+      reference = references[i]
       stats = {}
       logits, _ = continuation_logits(model, ids, cont, resolved, tokenizer=tokenizer, stats=stats)
       held.append(stats["kv_bytes"])
@@ -361,6 +403,7 @@ def held_out_check(model, tokenizer, cal: Calibration, spec: CompressionSpec, in
   }
   if kls:
     out["kl"] = round(float(np.mean(kls)), 6)
+    out["kl_se"] = round(_standard_error(kls), 6)
   if correct:
     out["accuracy"] = round(float(np.mean(correct)), 4)
   return out
