@@ -108,7 +108,7 @@ class Point:
   measured: _search.Measured
   accuracy: float | None
   learned: bool = False
-  items: str = "tune"  # which tuning items measured it: "tune", or "select" for learned ones
+  items: int = 0  # tuning items it was measured on
 
   def record(self) -> dict:
     m = self.measured
@@ -180,7 +180,7 @@ class TuneResult:
   def table(self) -> str:
     """The Pareto front (and the chosen and baseline points) as a text table."""
     rows = [
-        "policy              budget   alloc    items    KV MiB  kept    KL        acc",
+        "policy              budget   alloc    items  KV MiB  kept    KL        acc",
     ]
     shown = list(self.front)
     for p in (self.chosen, self.baseline):
@@ -192,7 +192,7 @@ class TuneResult:
       acc = "" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
       rows.append(
           f"{r['policy']:<18} {r['budget']!s:>7}  {'learned' if p.learned else r['head_budget']:<7} "
-          f"{'held-in' if p.items == 'select' else 'tuning':<7} {r['kv_mib']:>8.2f}  {r['kept_fraction']:.3f}  {r['kl']:<8.4f}  {acc:>4}{mark}"
+          f"{p.items:>5} {r['kv_mib']:>8.2f}  {r['kept_fraction']:.3f}  {r['kl']:<8.4f}  {acc:>4}{mark}"
       )
     return "\n".join(rows)
 
@@ -210,7 +210,6 @@ def tune(
     max_items: int = 24,
     held_out: float = 0.34,
     steps: int = 40,
-    rounds: int = 2,
     page_sizes: Sequence[int] = (8, 16, 32),
     progress: Callable[[str], None] | None = print,
 ) -> TuneResult:
@@ -223,7 +222,7 @@ def tune(
     policies: candidates (compress-once ones are scored exactly; the others run for real).
     context_tokens, continuation_tokens, max_items: text windows, evenly spread.
     held_out: share of the items kept for the final check.
-    steps: optax steps of the allocation, per round (at most `rounds`).
+    steps: optax steps of each half's allocation.
   """
   started = time.perf_counter()
   say = progress or (lambda _: None)
@@ -255,8 +254,6 @@ def tune(
   tune_items, held_items = split(items, held_out)
   items = tune_items + held_items
   tune_idx = list(range(len(tune_items)))
-  # The allocation is trained on half the tuning items and judged on the other half.
-  fit_idx, select_idx = (tune_idx[0::2], tune_idx[1::2]) if len(tune_idx) > 1 else (tune_idx,) * 2
   say(
       f"{len(items)} items ({len(tune_items)} to tune on, {len(held_items)} held out); "
       f"target {target}"
@@ -265,14 +262,14 @@ def tune(
   timing = {"calibrate_s": round(time.perf_counter() - started, 1)}
   full_ok = np.asarray([it.correct(it.full_answer) if it.question else True for it in items])
 
-  def measure(spec, index, learned=False, label="tune") -> Point:
+  def measure(spec, index, learned=False, judge=None) -> Point:
     if spec.once:
-      m = _search.evaluate_once(model, cal, spec, index)
+      m = _search.evaluate_once(model, cal, spec, index, judge)
     else:
       m = _search.evaluate_running(model, cal, spec, index, tokenizer)
     agree = np.asarray(m.agree_items) & full_ok[np.asarray(index)]
     accuracy = float(agree.mean()) if cal.items[0].question else None
-    point = Point(spec, m, accuracy, learned, label)
+    point = Point(spec, m, accuracy, learned, len(index))
     tried.append(point)
     say(
         f"  {spec.policy.name} budget {spec.budget} {'learned' if learned else spec.sharing}: "
@@ -285,7 +282,7 @@ def tune(
   grid = _search.fractions()
   lengths = sorted({it.budget_length for it in items})
 
-  def smallest_meeting(make_spec, index, learned=False, label="tune") -> Point | None:
+  def smallest_meeting(make_spec, index, learned=False, judge=None) -> Point | None:
     """The least-memory budget of the grid (refined by bisection) that meets the target;
     for a memory target the largest budget within it."""
     best, below = None, None
@@ -293,7 +290,7 @@ def tune(
       spec = _spec_or_none(make_spec, rho, lengths)
       if spec is None:
         continue
-      point = measure(spec, index, learned, label)
+      point = measure(spec, index, learned, judge)
       ok = target.meets(point.measured, point.accuracy)
       if target.metric == "memory":
         if not ok:
@@ -311,7 +308,7 @@ def tune(
         spec = _spec_or_none(make_spec, mid, lengths)
         if spec is None:
           break
-        point = measure(spec, index, learned, label)
+        point = measure(spec, index, learned, judge)
         if target.meets(point.measured, point.accuracy):
           best, hi = point, mid
         else:
@@ -335,51 +332,49 @@ def tune(
   baseline = _best(fixed.values(), target)
   timing["fixed_s"] = round(time.perf_counter() - started - timing["calibrate_s"], 1)
 
-  # 2. A learned allocation for the best compress-once policy, at its budget.
+  # 2. A learned allocation for the best compress-once policy, at its budget, cross-fitted:
+  # one allocation per half of the tuning items, each judging the other half, so every
+  # tuning item is judged by an allocation that never saw it; the spec gets their mean.
   chosen = baseline
   policy = (best_once or _closest(tried, target)).spec.policy.name
   at = (best_once or _closest(tried, target)).spec.budget
-  # Judged on the tuning items it was not trained on, against the policy's own defaults on
-  # the same items. A second round learns again (from the first) at the budget the first
-  # one reached, when that moved.
-  plain = smallest_meeting(
-      lambda rho: CompressionSpec(policy=policy, budget=rho), select_idx, label="select"
-  )
+  plain = fixed.get(policy)
   learn_started = time.perf_counter()
-  allocation, learned = None, None
-  for round_ in range(rounds):
-    say(f"learning a head allocation for {policy} at budget {at} ({steps} optax steps)")
-    candidate_allocation = _search.learn_allocation(
-        model,
-        cal,
-        CompressionSpec(policy=policy, budget=at),
-        index=fit_idx,
-        steps=steps,
-        init=allocation,
-        progress=say,
+  halves = (tune_idx[0::2], tune_idx[1::2]) if len(tune_idx) > 1 else (tune_idx, tune_idx)
+  per_half = []
+  for k, half in enumerate(halves):
+    say(
+        f"learning a head allocation for {policy} at budget {at}, half {k + 1} of 2 "
+        f"({len(half)} items, {steps} optax steps)"
     )
-    candidate = smallest_meeting(
-        lambda rho, a=candidate_allocation: CompressionSpec(
-            policy=policy, budget=rho, allocation=a
-        ),
-        select_idx,
-        learned=True,
-        label="select",
+    per_half.append(
+        _search.learn_allocation(
+            model,
+            cal,
+            CompressionSpec(policy=policy, budget=at),
+            index=half,
+            steps=steps,
+            progress=say,
+        )
     )
-    if candidate is None or (learned is not None and not _better(candidate, learned, target)):
-      break
-    allocation, learned = candidate_allocation, candidate
-    if abs(candidate.spec.budget - at) <= 0.1 * at:
-      break
-    at = candidate.spec.budget
+  allocation = _search.mean_allocation(per_half)
+  judge = {i: per_half[1 - k] for k, half in enumerate(halves) for i in half}
+  if len(tune_idx) == 1:
+    judge = {tune_idx[0]: per_half[0]}
   timing["learn_s"] = round(time.perf_counter() - learn_started, 1)
+  learned = smallest_meeting(
+      lambda rho: CompressionSpec(policy=policy, budget=rho, allocation=allocation),
+      tune_idx,
+      learned=True,
+      judge=judge,
+  )
   if learned is not None and (plain is None or _better(learned, plain, target)):
-    learned = _page_size(learned, page_sizes, lengths, select_idx, measure, target)
+    learned = _page_size(learned, page_sizes, lengths, tune_idx, judge, measure, target)
     chosen_spec = learned.spec
     chosen = learned
     why = (
-        f"{policy} with the learned head allocation meets {target} on held-in items it was not "
-        f"trained on at budget {learned.spec.budget} ({learned.measured.kv_bytes / 2**20:.2f} "
+        f"{policy} with the learned head allocation meets {target} on tuning items (each judged "
+        f"by an allocation learned without it) at budget {learned.spec.budget} ({learned.measured.kv_bytes / 2**20:.2f} "
         f"MiB), where {policy}'s default ranking needs "
         + (
             "more than any budget tried"
@@ -439,9 +434,7 @@ def tune(
       why=why,
       chosen=chosen,
       baseline=baseline,
-      front=[
-          p for label in ("tune", "select") for p in _pareto([q for q in tried if q.items == label])
-      ],
+      front=_pareto(tried),
       held_out=held,
       sample=sample,
       timing=timing,
@@ -468,7 +461,11 @@ def _cost(point: Point, target: Target) -> float:
 
 
 def _better(a: Point, b: Point, target: Target) -> bool:
-  return _cost(a, target) < _cost(b, target)
+  """`a` costs less; within 1% (the same budget, pages rounded apart), the lower KL."""
+  ca, cb = _cost(a, target), _cost(b, target)
+  if abs(ca - cb) <= 0.01 * max(abs(cb), 1e-12):
+    return a.measured.kl < b.measured.kl
+  return ca < cb
 
 
 def _best(points, target: Target) -> Point | None:
@@ -499,7 +496,7 @@ def _pareto(points: Sequence[Point]) -> list[Point]:
   return sorted(front, key=lambda p: p.measured.kv_bytes)
 
 
-def _page_size(point, page_sizes, lengths, index, measure, target) -> Point:
+def _page_size(point, page_sizes, lengths, index, judge, measure, target) -> Point:
   """The chosen compress-once setting at the page size that holds the least (pages round
   each head's kept tokens up; the kept tokens, hence quality, do not change)."""
   best = point
@@ -509,7 +506,7 @@ def _page_size(point, page_sizes, lengths, index, measure, target) -> Point:
     spec = _spec_or_none(lambda _: point.spec.replace(page_size=size), None, lengths)
     if spec is None:
       continue
-    candidate = measure(spec, index, point.learned, point.items)
+    candidate = measure(spec, index, point.learned, judge)
     if target.meets(candidate.measured, candidate.accuracy) and _better(candidate, best, target):
       best = candidate
   return best
@@ -533,10 +530,7 @@ def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
   fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
   by_kind = {}
   for p in result.front:
-    key = (
-        f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
-        f" ({'tuning' if p.items == 'tune' else 'held-in'} items)"
-    )
+    key = f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
     by_kind.setdefault(key, []).append(p)
   for key, points in sorted(by_kind.items()):
     points = sorted(points, key=lambda p: p.measured.kv_bytes)

@@ -166,9 +166,11 @@ def evaluate_once(
     cal: Calibration,
     spec: CompressionSpec,
     index: Sequence[int] | None = None,
+    judge: dict | None = None,
 ) -> Measured:
   """A compress-once spec (optionally with an allocation) on the calibrated items, exactly
-  (hard masks), without prefilling anything again."""
+  (hard masks), without prefilling anything again. `judge` maps items to the allocation
+  that ranks them instead of the spec's (cross-fitting: one never trained on the item)."""
   graphdef, params = nnx.split(model)
   index = list(range(len(cal.items))) if index is None else list(index)
   scores = cal.scores[spec.policy.name]
@@ -177,7 +179,12 @@ def evaluate_once(
     sel = np.asarray(index[start : start + BATCH])
     batch = make_batch(cal, spec, sel)
     raw = jnp.asarray(scores[:, sel])
-    ranked = raw if spec.allocation is None else spec.allocation.rank(raw)
+    if judge is not None:
+      ranked = jnp.concatenate(
+          [judge[int(i)].rank(raw[:, k : k + 1]) for k, i in enumerate(sel)], axis=1
+      )
+    else:
+      ranked = raw if spec.allocation is None else spec.allocation.rank(raw)
     kl, agree, kept = _relax.hard_eval(graphdef, params, batch, ranked, spec.sharing)
     kls.extend(np.asarray(kl).tolist())
     agrees.extend(np.asarray(agree).tolist())
@@ -294,13 +301,12 @@ def learn_allocation(
     learning_rate: float = 0.1,
     temperatures: tuple[float, float] = (1.0, 0.1),
     l2: float = 0.03,
-    init: HeadAllocation | None = None,
     progress: Progress | None = None,
 ) -> HeadAllocation:
   """Per-(layer, kv head) offsets for `spec`'s policy at `spec`'s budget, by Adam on the
   relaxed loss (soft keep-masks whose temperature anneals geometrically between
-  `temperatures`), over the items `index`, a minibatch of `BATCH` per step; from `init`'s
-  offsets (learned for the same policy on the same calibration) or zeros."""
+  `temperatures`), over the items `index`, a minibatch of `BATCH` per step, from zeros (the
+  policy's own ranking)."""
   graphdef, params = nnx.split(model)
   index = list(range(len(cal.items))) if index is None else list(index)
   raw = cal.scores[spec.policy.name]
@@ -310,7 +316,7 @@ def learn_allocation(
   scale = float(np.std(z[valid])) or 1.0
   z = (z / scale).astype(np.float32)
   l, h = cal.shape.n_layers, cal.shape.n_kv_heads
-  offsets = jnp.zeros((l, h), jnp.float32) if init is None else jnp.asarray(init.offsets)
+  offsets = jnp.zeros((l, h), jnp.float32)
   optimizer = optax.adam(learning_rate)
   opt_state = optimizer.init(offsets)
   grad_fn = jax.jit(jax.value_and_grad(_relax.relaxed_loss), static_argnames=("graphdef",))
@@ -348,6 +354,17 @@ def learn_allocation(
           "relaxed_kl_first": first,
           "relaxed_kl_last": last,
       },
+  )
+
+
+def mean_allocation(allocations: Sequence[HeadAllocation]) -> HeadAllocation:
+  """The mean of allocations learned for one policy on one calibration (same transform)."""
+  first = allocations[0]
+  return dataclasses.replace(
+      first,
+      offsets=np.mean([a.offsets for a in allocations], axis=0),
+      metrics={"parts": [a.metrics for a in allocations]},
+      path=None,
   )
 
 
