@@ -274,6 +274,15 @@ def test_a_bad_tuned_spec_file_is_refused_naming_the_problem(model, tmp_path, ch
     load_spec(_tuned_file(tmp_path, model, **changes), model)
 
 
+def test_a_state_compressed_with_a_tuned_spec_saves_and_loads(model, tmp_path):
+  spec = load_spec(_tuned_file(tmp_path, model), model)
+  state = kvjax.prefill(model, [list(range(3, 99))], spec)
+  kvjax.save_state(tmp_path / "state", state, model)
+  loaded = kvjax.load_state(tmp_path / "state", model)
+  assert loaded.spec.allocation == spec.allocation
+  np.testing.assert_array_equal(np.asarray(loaded.cache.length), np.asarray(state.cache.length))
+
+
 def test_an_allocation_for_another_model_is_refused(model, tmp_path):
   other = tiny_llama(n_layers=2, max_context=256, seed=5)
   spec = load_spec(_tuned_file(tmp_path, model), None)
@@ -306,7 +315,20 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
   spec_file = str(out / "tuned.json")
   assert cli.main(["generate", "--spec", spec_file, "--json", "--max-new-tokens", "4", "Hi"]) == 0
   assert json.loads(capsys.readouterr().out)["tokens"]
-  assert cli.main(["eval", "fidelity", "--spec", spec_file, "--quick", "--quiet",
-                   "--out", str(tmp_path / "eval")]) == 0
+  assert (
+      cli.main(
+          [
+              "eval",
+              "fidelity",
+              "--spec",
+              spec_file,
+              "--quick",
+              "--quiet",
+              "--out",
+              str(tmp_path / "eval"),
+          ]
+      )
+      == 0
+  )
   results = json.loads((tmp_path / "eval" / "results.json").read_text())
   assert {r["policy"] for r in results["rows"]} == {"full", "kvzip"}

@@ -138,7 +138,8 @@ class TuneResult:
   why: str
   chosen: Point
   baseline: Point | None  # the best fixed setting (a policy with its defaults) that meets it
-  front: list[Point]
+  front: list[Point]  # the points no other beats on both memory and KL
+  points: list[Point]  # every setting tried
   held_out: dict  # {"chosen": {...}, "baseline": {...}}: real-pipeline checks
   sample: dict
   timing: dict
@@ -168,6 +169,7 @@ class TuneResult:
         "baseline": None if self.baseline is None else self.baseline.record(),
         "held_out": self.held_out,
         "front": [p.record() for p in self.front],
+        "points": [p.record() for p in self.points],
         "sample": self.sample,
         "timing": self.timing,
     }
@@ -435,6 +437,7 @@ def tune(
       chosen=chosen,
       baseline=baseline,
       front=_pareto(tried),
+      points=tried,
       held_out=held,
       sample=sample,
       timing=timing,
@@ -521,7 +524,8 @@ def _held_meets(target: Target, result: dict) -> bool:
 
 
 def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
-  """Quality vs memory of every point on the front, the chosen and the best fixed one."""
+  """Quality vs memory of every setting tried (a line per policy, with and without the
+  learned allocation), the chosen and the best fixed one."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -529,11 +533,12 @@ def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
 
   fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
   by_kind = {}
-  for p in result.front:
+  for p in result.points:
     key = f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
     by_kind.setdefault(key, []).append(p)
   for key, points in sorted(by_kind.items()):
-    points = sorted(points, key=lambda p: p.measured.kv_bytes)
+    per_budget = {(p.spec.budget, p.spec.page_size): p for p in points}
+    points = sorted(per_budget.values(), key=lambda p: p.measured.kv_bytes)
     ax.plot(
         [p.measured.kv_bytes / 2**20 for p in points],
         [max(p.measured.kl, 1e-6) for p in points],
@@ -556,7 +561,7 @@ def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
   elif result.target.metric == "memory":
     ax.axvline(result.target.value / 2**20, color="gray", linestyle="--", label=str(result.target))
   ax.set_yscale("log")
-  ax.set_xlabel("K/V MiB held per request (mean over tuning items)")
+  ax.set_xlabel("K/V MiB held per request (mean over the items measured)")
   ax.set_ylabel("KL(full || compressed), nats")
   ax.set_title(f"kvjax tune: {result.model}")
   ax.legend(fontsize=7)

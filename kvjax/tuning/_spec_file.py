@@ -27,6 +27,7 @@ _KEYS = {
     "baseline",
     "held_out",
     "front",
+    "points",
     "sample",
     "timing",
 }
