@@ -182,26 +182,27 @@ def test_bad_targets_are_refused(text):
     parse_target(text)
 
 
-def _sample():
-  return np.random.default_rng(0).integers(3, 250, 1000).tolist()
+def _tiny_tune(model, tokenizer, target, *, items, steps):
+  """`tune` on random ids with the tiny model, kvzip only, quietly."""
+  return tune(
+      model,
+      tokenizer,
+      text=np.random.default_rng(0).integers(3, 250, 1000).tolist(),
+      target=target,
+      policies=("kvzip",),
+      context_tokens=CONTEXT,
+      continuation_tokens=CONTINUATION,
+      max_items=items,
+      steps=steps,
+      progress=None,
+  )
 
 
 def test_a_memory_target_is_respected_in_whole_pages(model, tokenizer, tmp_path):
   """The pages each head's kept tokens round up to count: the chosen setting holds at most
   the target on every tuning and held-out item, measured by the real pipeline."""
   limit = 10 * 2**10  # bytes per request
-  result = tune(
-      model,
-      tokenizer,
-      text=_sample(),
-      target=f"memory={limit}B",
-      policies=("kvzip",),
-      context_tokens=CONTEXT,
-      continuation_tokens=CONTINUATION,
-      max_items=6,
-      steps=4,
-      progress=None,
-  )
+  result = _tiny_tune(model, tokenizer, f"memory={limit}B", items=6, steps=4)
   assert result.reachable
   assert result.chosen.measured.kv_bytes_bound <= limit
   assert result.chosen.measured.kv_bytes_max <= limit
@@ -216,18 +217,7 @@ def test_a_memory_target_is_respected_in_whole_pages(model, tokenizer, tmp_path)
 
 
 def test_an_unreachable_target_is_reported_not_relaxed(model, tokenizer, tmp_path):
-  result = tune(
-      model,
-      tokenizer,
-      text=_sample(),
-      target="kl=1e-12",
-      policies=("kvzip",),
-      context_tokens=CONTEXT,
-      continuation_tokens=CONTINUATION,
-      max_items=4,
-      steps=2,
-      progress=None,
-  )
+  result = _tiny_tune(model, tokenizer, "kl=1e-12", items=4, steps=2)
   assert not result.reachable
   assert "not reachable" in result.why
   assert not result.held_out["chosen"]["meets_target"]
