@@ -19,7 +19,8 @@ def _run(tmp_path, capsys, *argv):
         (["eval", "fidelity"], "kl"),
         pytest.param(["eval", "passkey"], "accuracy", marks=pytest.mark.slow),
         pytest.param(["eval", "multi-question"], "questions", marks=pytest.mark.slow),
-        (["eval", "perplexity"], "ppl"),
+        # perplexity runs through the CLI in test_user_data_text_and_jsonl
+        pytest.param(["eval", "perplexity"], "ppl", marks=pytest.mark.slow),
         (["eval", "retention"], "retention"),
         pytest.param(["bench"], "decode_ms_per_token", marks=pytest.mark.slow),
     ],
@@ -39,6 +40,7 @@ def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, ar
   assert list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_passkey_reports_the_full_cache_accuracy_beside_each_policy(tmp_path, capsys):
   argv = ["eval", "passkey", "--quick", "--policy", "full", "tova", "--budget", "0.25"]
   code, out = _run(tmp_path, capsys, *argv, "--fillers", "repeat", "text")

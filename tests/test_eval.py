@@ -180,6 +180,7 @@ def test_multi_question_prefills_once_and_answers_every_question_from_that_state
   assert r["answers"][0]["answer"] == f"It is {cases[0]['facts'][0]['answer']}."
 
 
+@pytest.mark.slow  # heavy: run with -m slow
 def test_multi_question_counts_every_question_and_a_crashed_context(
     model, tokenizer, text_ids, monkeypatch
 ):

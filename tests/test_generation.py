@@ -142,7 +142,9 @@ def test_cli_bad_input_exits_2_with_one_line(args, message):
   assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.parametrize("policy, budget", [("full", None), ("h2o", 24)])
+@pytest.mark.parametrize(
+    "policy, budget", [("full", None), pytest.param("h2o", 24, marks=pytest.mark.slow)]
+)
 def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, budget):
   """End to end: the Pallas decode kernel (interpret mode on CPU) through the model."""
   model, tokenizer = _tiny_model(), ByteTokenizer()

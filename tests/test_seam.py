@@ -105,7 +105,10 @@ def _argv(fields=NON_DEFAULT):
 
 def test_every_spec_field_has_a_cli_flag_that_reaches_the_spec():
   fields = {f.name for f in dataclasses.fields(kvjax.CompressionSpec)}
-  assert fields == set(NON_DEFAULT) | set(COMPRESS_ONCE), "a new field needs a case here"
+  # (allocation: test_the_allocation_flag_reaches_the_spec)
+  assert fields == set(NON_DEFAULT) | set(COMPRESS_ONCE) | {
+      "allocation"
+  }, "a new field needs a case"
   for cases in (NON_DEFAULT, COMPRESS_ONCE):
     args = cli.build_parser().parse_args(["generate", "hi", *_argv(cases)])
     spec = cli.spec_from_args(args)
@@ -117,6 +120,18 @@ def test_every_spec_field_has_a_cli_flag_that_reaches_the_spec():
   assert args.policy == ["h2o", "tova"] and args.budget == [96]
   swept = cli.spec_from_args(args, sweep=True)
   assert swept.sink == 8 and swept.kv_dtype == "bfloat16" and swept.policy.name == "full"
+
+
+def test_the_allocation_flag_reaches_the_spec(tmp_path):
+  import numpy as np
+
+  from kvjax.allocation import HeadAllocation
+
+  saved = HeadAllocation(np.zeros((2, 2), np.float32), "kvzip", True, 1.0, "tiny", "x")
+  path = str(saved.save(tmp_path / "allocation").path)
+  argv = ["generate", "hi", "--policy", "kvzip", "--budget", "0.25", "--allocation", path]
+  spec = cli.spec_from_args(cli.build_parser().parse_args(argv))
+  assert spec.allocation == saved and spec.allocation.path == path
 
 
 def test_generate_help_lists_every_spec_field():

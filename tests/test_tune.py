@@ -53,7 +53,7 @@ def _random_allocation(model, policy, seed=1):
 
 @pytest.mark.parametrize("policy", ["kvzip", "expected_attention"])
 @pytest.mark.parametrize("allocated", [False, True])
-@pytest.mark.parametrize("budget", [0.2, 0.5])
+@pytest.mark.parametrize("budget", [0.2, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_hard_evaluation_equals_the_real_pipeline(
     model, tokenizer, calibration, policy, allocated, budget
 ):
