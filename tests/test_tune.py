@@ -322,3 +322,31 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
   )
   results = json.loads((tmp_path / "eval" / "results.json").read_text())
   assert {r["policy"] for r in results["rows"]} == {"full", "kvzip"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({}, ValueError, "not both or neither"),
+        ({"text": "x", "cases": [{}]}, ValueError, "not both or neither"),
+        ({"text": "x", "policies": ("nope",)}, ValueError, "nope"),
+        ({"text": "x", "policies": ("h2o",)}, ValueError, "no compress-once policy"),
+        ({"text": "x", "target": 3}, TypeError, "target must be"),
+    ],
+)
+def test_tune_rejects_bad_arguments_before_any_work(model, tokenizer, kwargs, error, message):
+  with pytest.raises(error, match=message):
+    tune(model, tokenizer, progress=None, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "offsets, scale, message",
+    [
+        (np.zeros(3), 1.0, r"\[L, H\]"),
+        (np.full((2, 2), np.nan), 1.0, "finite"),
+        (np.zeros((2, 2)), 0.0, "scale"),
+    ],
+)
+def test_a_bad_allocation_is_refused(offsets, scale, message):
+  with pytest.raises(ValueError, match=message):
+    HeadAllocation(offsets, "kvzip", True, scale, "tiny", "x")

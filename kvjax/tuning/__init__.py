@@ -506,7 +506,7 @@ def _page_size(point, page_sizes, lengths, index, judge, measure, target) -> Poi
   for size in page_sizes:
     if size == point.spec.page_size:
       continue
-    spec = _spec_or_none(lambda _: point.spec.replace(page_size=size), None, lengths)
+    spec = _spec_or_none(lambda _, size=size: point.spec.replace(page_size=size), None, lengths)
     if spec is None:
       continue
     candidate = measure(spec, index, point.learned, judge)

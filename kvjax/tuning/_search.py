@@ -268,13 +268,9 @@ def evaluate_running(
     )
     held.append(stats["kv_bytes"])
     kept.append(stats["kept_fraction"])
-    t = len(item.continuation) - 1
-    logprobs = jax.nn.log_softmax(jnp.asarray(logits[1:], jnp.float32), -1)  # of cont[1:]
-    teacher = jnp.asarray(cal.teacher[i, :t])
-    weights = jnp.asarray(cal.weights[i, :t])
-    kls.append(float(_relax.kl_per_item(teacher[None], logprobs[None], weights[None])[0]))
-    same = (jnp.argmax(logprobs, -1) == jnp.argmax(teacher, -1)) | (weights == 0)
-    agrees.append(bool(same.all()))
+    kl, agree = _scored_kl(cal, i, cal.teacher[i, : len(item.continuation) - 1], logits)
+    kls.append(kl)
+    agrees.append(agree)
   return Measured(
       kl=float(np.mean(kls)),
       kl_se=_standard_error(kls),
@@ -373,6 +369,18 @@ def fractions(low: float = 0.04, high: float = 0.7, count: int = 9) -> list[floa
   return [round(float(x), 4) for x in np.geomspace(low, high, count)]
 
 
+def _scored_kl(cal: Calibration, i: int, teacher, logits) -> tuple[float, bool]:
+  """KL of item i's scored predictions of continuation[1:] (`logits` [T, V]: all of the
+  continuation's, the first made before compression) against `teacher` log-probs [T-1, V],
+  and whether every scored top token is the teacher's (as `_relax.hard_eval` judges)."""
+  teacher = jnp.asarray(teacher, jnp.float32)
+  got = jax.nn.log_softmax(jnp.asarray(logits[1:], jnp.float32), -1)
+  weights = jnp.asarray(cal.weights[i, : teacher.shape[0]])
+  kl = float(_relax.kl_per_item(teacher[None], got[None], weights[None])[0])
+  same = (jnp.argmax(got, -1) == jnp.argmax(teacher, -1)) | (weights == 0)
+  return kl, bool(same.all())
+
+
 def held_out_check(
     model, tokenizer, cal: Calibration, spec: CompressionSpec, index, references=None
 ) -> dict:
@@ -397,11 +405,8 @@ def held_out_check(
       stats = {}
       logits, _ = continuation_logits(model, ids, cont, resolved, tokenizer=tokenizer, stats=stats)
       held.append(stats["kv_bytes"])
-      t = len(cont) - 1
-      teacher = jax.nn.log_softmax(jnp.asarray(reference[1:], jnp.float32), -1)[None]
-      got = jax.nn.log_softmax(jnp.asarray(logits[1:], jnp.float32), -1)[None]
-      weights = jnp.asarray(cal.weights[i, :t])[None]
-      kls.append(float(_relax.kl_per_item(teacher, got, weights)[0]))
+      teacher = jax.nn.log_softmax(jnp.asarray(reference[1:], jnp.float32), -1)
+      kls.append(_scored_kl(cal, i, teacher, logits)[0])
     else:
       question = list(item.continuation[: item.scored_from])
       answer_tokens = len(item.continuation) - item.scored_from
