@@ -14,7 +14,16 @@ from kvjax import cli
 from kvjax.allocation import HeadAllocation
 from kvjax.eval import fidelity
 from kvjax.testing import ByteTokenizer, tiny_llama
-from kvjax.tuning import _relax, _search, _workload, load_spec, parse_target, tune
+from kvjax.tuning import (
+    _relax,
+    _search,
+    _workload,
+    accuracy_bound,
+    items_for_accuracy,
+    load_spec,
+    parse_target,
+    tune,
+)
 
 CONTEXT, CONTINUATION = 96, 12
 
@@ -182,6 +191,21 @@ def test_bad_targets_are_refused(text):
     parse_target(text)
 
 
+@pytest.mark.parametrize(
+    "share, n, bound",
+    [
+        (1.0, 16, 16 / 17),  # n of n: n/(n+1)
+        (1.0, 19, 0.95),
+        (0.0, 10, 0.0),
+        # 15 of 20 at z=1: (0.75 + 1/40 - sqrt(0.75*0.25/20 + 1/1600)) / (1 + 1/20)
+        (0.75, 20, (0.775 - np.sqrt(0.009375 + 0.000625)) / 1.05),
+    ],
+)
+def test_accuracy_is_judged_by_its_wilson_lower_bound(share, n, bound):
+  assert accuracy_bound(share, n) == pytest.approx(bound)
+  assert items_for_accuracy(0.95) == 19 and items_for_accuracy(0.9) == 9
+
+
 def _tiny_tune(model, tokenizer, target, *, items, steps):
   """`tune` on random ids with the tiny model, kvzip only, quietly."""
   return tune(
@@ -332,6 +356,9 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
         ({"text": "x", "policies": ("nope",)}, ValueError, "nope"),
         ({"text": "x", "policies": ("h2o",)}, ValueError, "no compress-once policy"),
         ({"text": "x", "target": 3}, TypeError, "target must be"),
+        ({"text": "x", "target": "accuracy=0.9"}, ValueError, "needs question cases"),
+        # 24 cases leave 16 to tune on; 0.95 needs 19 (16/17 < 0.95 <= 19/20).
+        ({"cases": [{}] * 24, "target": "accuracy=0.95"}, ValueError, "at least 19 tuning items"),
     ],
 )
 def test_tune_rejects_bad_arguments_before_any_work(model, tokenizer, kwargs, error, message):

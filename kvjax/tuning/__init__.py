@@ -64,21 +64,39 @@ class Target:
     if self.metric == "accuracy" and self.value > 1:
       raise ValueError(f"target accuracy is a share in (0, 1], got {self.value}")
 
-  def meets(self, m: _search.Measured, accuracy: float | None = None) -> bool:
-    """On tuning items: mean KL plus one standard error over items (a setting picked at the
-    edge of a few items' mean misses on others about half the time), the share of answers
-    equal to the full cache's (exact: every answer token's top prediction), or the most
-    bytes any request of these lengths can hold."""
+  def meets(self, point: "Point") -> bool:
+    """On tuning items, with a margin for the items not seen: mean KL plus one standard
+    error over items (a setting picked at the edge of a few items' mean misses on others
+    about half the time); for accuracy (answers equal to the full cache's, every answer
+    token's top prediction, and correct) the Wilson lower bound at one standard error, which
+    is n/(n+1) for n of n; for memory the most bytes any request of these lengths can hold."""
+    m = point.measured
     if self.metric == "kl":
       return m.kl + m.kl_se <= self.value
     if self.metric == "accuracy":
-      return accuracy >= self.value
+      if self.value >= 1:  # no finite sample bounds a share at 1: every item must agree
+        return point.accuracy >= 1
+      return accuracy_bound(point.accuracy, point.items) >= self.value - 1e-9
     return m.kv_bytes_bound <= self.value
 
   def __str__(self):
     if self.metric == "memory":
       return f"memory <= {self.value / 2**20:.2f} MiB per request"
     return f"{self.metric} {'<=' if self.metric == 'kl' else '>='} {self.value:g}"
+
+
+def accuracy_bound(share: float, n: int, z: float = 1.0) -> float:
+  """Wilson score lower bound of a share measured on n items (z standard errors)."""
+  if n <= 0:
+    return 0.0
+  centre = share + z * z / (2 * n)
+  spread = z * np.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+  return float((centre - spread) / (1 + z * z / n))
+
+
+def items_for_accuracy(value: float) -> int:
+  """The fewest tuning items whose perfect score bounds accuracy >= value (n/(n+1))."""
+  return int(np.ceil(value / (1 - value) - 1e-9)) if value < 1 else 0
 
 
 def parse_target(text: str) -> Target:
@@ -240,6 +258,19 @@ def tune(
   if not once:
     raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
   ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  if target.metric == "accuracy":
+    if text is not None:
+      raise ValueError(
+          "target accuracy needs question cases (cases=); a text sample takes kl= or memory="
+      )
+    n_tune = len(split([None] * len(list(cases)[:max_items]), held_out)[0])
+    need = items_for_accuracy(target.value)
+    if n_tune < need:
+      raise ValueError(
+          f"target {target} needs at least {need} tuning items (a perfect score on n items "
+          f"bounds accuracy at n/(n+1)); {len(list(cases)[:max_items])} cases hold out "
+          f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} cases"
+      )
   if text is not None:
     items = text_items(
         tokenizer,
@@ -293,7 +324,7 @@ def tune(
       if spec is None:
         continue
       point = measure(spec, index, learned, judge)
-      ok = target.meets(point.measured, point.accuracy)
+      ok = target.meets(point)
       if target.metric == "memory":
         if not ok:
           break
@@ -311,7 +342,7 @@ def tune(
         if spec is None:
           break
         point = measure(spec, index, learned, judge)
-        if target.meets(point.measured, point.accuracy):
+        if target.meets(point):
           best, hi = point, mid
         else:
           lo = mid
@@ -330,7 +361,7 @@ def tune(
     say(f"{p}: at budget {best_once.spec.budget} (runs each of {len(running_idx)} items)")
     spec = CompressionSpec(policy=p, budget=best_once.spec.budget)
     point = measure(spec, running_idx)
-    fixed[p] = point if target.meets(point.measured, point.accuracy) else None
+    fixed[p] = point if target.meets(point) else None
   baseline = _best(fixed.values(), target)
   timing["fixed_s"] = round(time.perf_counter() - started - timing["calibrate_s"], 1)
 
@@ -510,7 +541,7 @@ def _page_size(point, page_sizes, lengths, index, judge, measure, target) -> Poi
     if spec is None:
       continue
     candidate = measure(spec, index, point.learned, judge)
-    if target.meets(candidate.measured, candidate.accuracy) and _better(candidate, best, target):
+    if target.meets(candidate) and _better(candidate, best, target):
       best = candidate
   return best
 
