@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
-from kvjax.eviction import evict, protection_mask
+from kvjax.eviction import evict, lowest, protection_mask
 from pallas_kernels import output_impact as output_impact_kernel
 
 
@@ -642,9 +642,7 @@ def head_budgets(
 def _best(x: Float[Array, "... M"], k) -> Bool[Array, "... M"]:
   """The `k` largest entries of each row of x (k broadcast to x.shape[:-1]); ties go to
   the earlier index, so exactly k are chosen and a tie never passes the budget."""
-  order = jnp.argsort(-x, axis=-1, stable=True)
-  rank = jnp.argsort(order, axis=-1)  # each entry's place in the descending order
-  return rank < jnp.asarray(k)[..., None]
+  return lowest(-x, k)
 
 
 def fair_scores(scores: Float[Array, "L B H N"], segment, valid) -> Float[Array, "L B H N"]:

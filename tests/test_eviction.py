@@ -4,6 +4,7 @@ import pytest
 
 import kvjax
 from pallas_kernels.group_importance import group_importance
+from kvjax.eviction import lowest
 from kvjax.testing import assert_cache_invariants
 
 
@@ -96,3 +97,27 @@ def test_group_importance_reductions_and_errors():
     group_importance(scores, 2, protected, "median")
   with pytest.raises(ValueError, match="protected shape"):
     group_importance(scores, 2, protected[:, :4])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("values", ["distinct", "ties", "specials"])
+def test_lowest_picks_what_a_stable_argsort_picks(seed, values):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(6, 37)).astype(np.float32)
+  if values == "ties":  # few distinct values: ties decided by index
+    x = np.round(x).astype(np.float32)
+  if values == "specials":
+    specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-45, -1e-45], np.float32)
+    x = np.where(rng.random(x.shape) < 0.4, rng.choice(specials, size=x.shape), x)
+  k = np.array([0, 1, 5, 18, 37, 50])  # 50 > M: every entry
+  ranks = np.asarray(jnp.argsort(jnp.argsort(jnp.asarray(x), axis=-1, stable=True), axis=-1))
+  expected = ranks < k[:, None]
+  np.testing.assert_array_equal(np.asarray(lowest(jnp.asarray(x), jnp.asarray(k))), expected)
+
+
+def test_lowest_hand_case():
+  x = jnp.array([[3.0, 1.0, 2.0, 1.0, -jnp.inf, 5.0]])
+  # -inf, then the two 1.0s (earlier index first), then 2.0
+  assert lowest(x, 3).tolist() == [[False, True, False, True, True, False]]
+  assert lowest(x, 4).tolist() == [[False, True, True, True, True, False]]
+  assert lowest(x, 0).tolist() == [[False] * 6]

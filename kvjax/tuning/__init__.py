@@ -269,7 +269,8 @@ def tune(
       raise ValueError(
           f"target {target} needs at least {need} tuning items (a perfect score on n items "
           f"bounds accuracy at n/(n+1)); {len(list(cases)[:max_items])} cases hold out "
-          f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} cases"
+          f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} cases "
+          "(max_items, --items)"
       )
   if text is not None:
     items = text_items(
