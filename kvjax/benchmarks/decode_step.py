@@ -8,8 +8,8 @@ sequence, then times `--steps` greedy decode steps (`kvjax.eval._cost.decode_cos
 decode ms/token, its ratio to the full cache, and eviction's share of a step, amortised over
 the steps (timed against the same loop with eviction off, in the same run). The window
 starts with the cache at its budget, so it sees fewer events than a long run does; the
-steady-state share puts the cost of one event (an evicting step's extra time, from the steps
-run one at a time) over the period between events (17 steps for token eviction, 32 for
+steady-state share puts the cost of one event (the step that evicts, run with and without
+eviction from the same state, medians) over the period between events (17 steps for token eviction, 32 for
 page eviction). Prints a markdown table. The issue's
 goal: eviction under 5% of step time.
 """

@@ -39,8 +39,9 @@ def decode_cost(
   Returns a dict: policy, context_tokens, budget_tokens (None for "full"), decode_steps,
   decode_ms_per_token, decode_ms_per_token_no_eviction, eviction_ms_per_token,
   eviction_share, eviction_events (eviction events within the timed steps),
-  eviction_ms_per_event (an event step's extra time, from the steps run one at a time; None
-  without events), eviction_period_steps (decode steps between events once running),
+  eviction_ms_per_event (an event step's extra time: the step before which a sequence passes
+  its threshold, run with and without eviction from the same state, medians; None without
+  events), eviction_period_steps (decode steps between events once running),
   eviction_share_steady (one event's cost over that period: the long-run share; None without
   events), kv_bytes_peak, kv_bytes_final, prefill_seconds, prefill_compile_seconds,
   decode_compile_seconds.
@@ -106,23 +107,30 @@ def decode_cost(
   with_ms = ms["with"]
   without_ms = ms.get("without", with_ms)
 
-  # Step the same loop one step at a time: which steps evict, and what an event costs (the
-  # event steps against the others; steadier under load than the loop difference).
+  # Step the same loop one step at a time to find the steps that evict; then time one
+  # event: the step from the state just before it, with eviction and without, alternating
+  # `repeats` + 2 times (a single event's time is too noisy to judge a 5% share by).
   events, per_event = 0, None
   if plan.eviction is not None:
-    current, step_ms, evicted = state, [], []
-    for step in range(decode_steps + 1):  # the first step compiles: not timed
+    current, evicted, first_event = state, [], None
+    for step in range(decode_steps):
       before = np.asarray(current.cache.length)
-      current, result, _ = run("with", 1, current)
-      if step:
-        step_ms.append(1e3 * result.stats["decode_seconds"])
-        evicted.append(bool((np.asarray(current.cache.length) < before).any()))  # drops > 1
-      else:
-        decode_compile += result.stats["compile_seconds"]
+      following, result, _ = run("with", 1, current)
+      decode_compile += result.stats["compile_seconds"]
+      evicted.append(bool((np.asarray(following.cache.length) < before).any()))  # drops > 1
+      if evicted[-1] and first_event is None:
+        first_event = current
+      current = following
     events = sum(evicted)
-    if 0 < events < decode_steps:
-      event_ms = statistics.median(t for t, e in zip(step_ms, evicted) if e)
-      per_event = event_ms - statistics.median(t for t, e in zip(step_ms, evicted) if not e)
+    if first_event is not None:
+      event_s = {"with": [], "without": []}
+      for round_ in range(repeats + 3):  # round 0 compiles the one-step loop without eviction
+        for name in ("with", "without")[:: 1 if round_ % 2 else -1]:
+          _, result, _ = run(name, 1, first_event)
+          decode_compile += result.stats["compile_seconds"]
+          if round_:
+            event_s[name].append(result.stats["decode_seconds"])
+      per_event = 1e3 * (statistics.median(event_s["with"]) - statistics.median(event_s["without"]))
 
   # Once running, a sequence passes its threshold every `period` tokens (the margin plus
   # one, in whole groups): the steady-state share spreads one event over that period.
