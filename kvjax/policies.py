@@ -40,7 +40,8 @@ class AttentionStats:
   layer: Int[Array, ""]
   q: Float[Array, "B T Hq D"]
   out: Float[Array, "B T Hq D"]
-  probs: Float[Array, "B Hkv T N"]  # summed over the query heads of each kv head
+  probs: Float[Array, "B Hkv T N"] | None  # summed over the query heads of each kv head;
+  # None for a policy that does not ask for them (`Policy.needs_probs`)
   head_probs: Float[Array, "B Hq T N"] | None  # only when the policy asks for it
   num_new: Int[Array, " B"]
   lse: Float[Array, "B T Hq"] | None = None  # per-query-head log-sum-exp, if asked for
@@ -127,6 +128,14 @@ class Policy:
   reconstructs: ClassVar[bool] = False
   # Keeps state that is not per token in `cache.extra` (`init_extra`).
   keeps_extra: ClassVar[bool] = False
+
+  @property
+  def needs_probs(self) -> bool:
+    """Whether `observe` reads the attention probabilities (`stats.probs`): a policy that
+    does not override `observe` gets none computed, so attention reads only live pages
+    while it prefills. A policy whose `observe` reads only q, lse or the cache sets a class
+    attribute `needs_probs = False`."""
+    return type(self).observe is not Policy.observe
 
   def check_model(self, model) -> None:
     """Raises ValueError when this policy cannot score `model` (e.g. a scorer trained for
@@ -281,6 +290,7 @@ class OutputImpact(Policy):
   name: ClassVar[str] = "output_impact"
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   needs_lse: ClassVar[bool] = True
+  needs_probs: ClassVar[bool] = False  # the kernel recomputes a_i from q, K and lse
   window: int = 8
   decay: float = 1.0
   squared: bool = False  # sum (a/(1-a))^2 ||v - O||^2 instead (DropKV): see `DropKV`
@@ -450,6 +460,7 @@ class ExpectedAttention(Policy):
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   query_agnostic: ClassVar[bool] = True
   keeps_extra: ClassVar[bool] = True
+  needs_probs: ClassVar[bool] = False  # observe reads the queries and the cached keys
   n_future: int = 512  # future query positions the rotation is averaged over
   use_covariance: bool = True  # the k^T Sigma' k / 2D term; False: the mean query only
   use_vnorm: bool = True  # weigh each key's expected attention by ||v_j||

@@ -126,6 +126,7 @@ def forward(
     )
   per_head = policy is not None and policy.needs_head_probs
   want_lse = policy is not None and policy.needs_lse
+  want_probs = policy is not None and (policy.needs_probs or per_head)
 
   def attend(q, k, v, cache, layer):
     cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
@@ -138,9 +139,9 @@ def forward(
         num_new,
         per_query_head=per_head,
         return_lse=want_lse,
-        # Without a policy nothing reads the probabilities: attention then reads only the
-        # live pages instead of the whole page table.
-        return_probs=policy is not None,
+        # When nothing reads the probabilities, attention reads only the live pages
+        # instead of the whole page table.
+        return_probs=want_probs,
         impl=attention_impl,
     )
     if policy is not None:

@@ -1,6 +1,7 @@
 """Eviction policies: score primitives, each policy on hand-made cases, protection, memory
 bounds, per-layer / per-head budgets, fair eviction and argument errors."""
 
+import dataclasses
 import math
 
 import jax
@@ -724,3 +725,46 @@ def test_per_head_needs_token_eviction(tiny, name, group_size):
 def test_bad_budget_schedule_in_plan(tiny):
   with pytest.raises(ValueError, match="budget_schedule must be one of"):
     _plan(tiny[0], "h2o", 16, budget_schedule="linear")
+
+
+def test_only_policies_that_read_the_probabilities_get_them():
+  reads = {name for name, cls in policies.POLICIES.items() if cls().needs_probs}
+  assert reads == {
+      "h2o",
+      "h2o_mean",
+      "group_history",
+      "tova",
+      "snapkv",
+      "info_aware",
+      "kvzip",
+  }
+
+  class Custom(policies.Policy):  # a user's observe reads whatever stats hold
+
+    def observe(self, cache, stats):
+      return cache
+
+  assert Custom().needs_probs
+
+
+@pytest.mark.parametrize("name", ["streaming", "knorm", "output_impact", "expected_attention"])
+def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
+  """The attention path that skips the probabilities (live pages only) changes nothing but
+  float order: the same tokens kept, the same logits to 1e-5."""
+  model, tok = tiny_llama(n_layers=2, max_context=512), ByteTokenizer()
+  del tok
+  ids = np.random.default_rng(0).integers(3, 250, 300).tolist()
+  lean_policy = policies.POLICIES[name]()
+  # The same policy, but asking for the probabilities (the path every policy took before).
+  heavy = type("WithProbs", (type(lean_policy),), {"needs_probs": True, "__annotations__": {}})
+  heavy_policy = dataclasses.dataclass(frozen=True)(heavy)()
+  states = [
+      kvjax.prefill(model, [ids], kvjax.CompressionSpec(policy=p, budget=96))
+      for p in (lean_policy, heavy_policy)
+  ]
+  lean, full = states
+  np.testing.assert_array_equal(
+      np.asarray(kvjax.cache.logical_view(lean.cache, lean.cache.slot("position"))),
+      np.asarray(kvjax.cache.logical_view(full.cache, full.cache.slot("position"))),
+  )
+  np.testing.assert_allclose(np.asarray(lean.logits), np.asarray(full.logits), atol=1e-5)

@@ -15,12 +15,19 @@ first pass (kvjax compiles what its shape buckets need) and again. Prints markdo
 runs only the request sequence, with JAX's persistent compilation cache in an empty
 temporary directory: the first pass then compiles everything (a new machine); without
 `--cold` a fresh process loads what an earlier run stored there.
+
+When `llama-cpp-python` is installed (it is no kvjax dependency: `pip install
+llama-cpp-python` builds llama.cpp from source), the table gains llama.cpp as an anchor:
+the same GGUF converted once to float32 by llama.cpp's own quantize call (so that all three
+run float32 weights), 2 threads, 512-token batches, timed in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import pathlib
 import platform
 import tempfile
 import statistics
@@ -74,6 +81,53 @@ def _torch_generate(ref, ids, new_tokens):
     return time.perf_counter() - start
 
 
+def _llama_cpp(path: pathlib.Path, n_ctx: int):
+  """llama.cpp on a float32 copy of the GGUF, or None when llama-cpp-python is missing."""
+  try:
+    import llama_cpp
+  except ImportError:
+    return None
+  f32 = pathlib.Path(tempfile.gettempdir()) / f"{path.stem}.f32.gguf"
+  if not f32.exists():
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.allow_requantize = True
+    partial = f32.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(
+        str(path).encode(), str(partial).encode(), ctypes.byref(params)
+    ):
+      raise RuntimeError(f"llama.cpp could not convert {path} to float32")
+    partial.replace(f32)
+  threads = int(os.environ.get("KVJAX_BENCH_THREADS", 2))
+  return llama_cpp.Llama(
+      model_path=str(f32),
+      n_ctx=n_ctx,
+      n_batch=512,
+      n_ubatch=512,
+      n_threads=threads,
+      n_threads_batch=threads,
+      verbose=False,
+  )
+
+
+def _llama_cpp_prefill_decode(llm, ids, steps):
+  vocab = llm.n_vocab()
+
+  def next_token():
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+
+  llm.reset()
+  start = time.perf_counter()
+  llm.eval(ids)
+  token = next_token()
+  prefill = time.perf_counter() - start
+  start = time.perf_counter()
+  for _ in range(steps):
+    llm.eval([token])
+    token = next_token()
+  return prefill, (time.perf_counter() - start) / steps
+
+
 def main(argv=None):
   import torch
   import transformers
@@ -104,33 +158,40 @@ def main(argv=None):
       str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
   ids = tok.encode(default_text())
+  anchor = None
+  if args.part != "sequence":
+    anchor = _llama_cpp(path, max(args.lengths) + args.decode_steps + 8)
   print(
       f"# kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "
       f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}\n"
   )
   if args.part != "sequence":
-    _table(args, model, ref, ids)
+    _table(args, model, ref, ids, anchor)
   if args.part != "table":
     _sequence(args, model, tok, ref, ids)
 
 
-def _table(args, model, ref, ids):
+def _table(args, model, ref, ids, anchor=None):
   full = kvjax.CompressionSpec()
   compressed = kvjax.CompressionSpec(policy=args.policy, budget=args.budget)
   print(
       "| prompt tokens | prefill tok/s kvjax full | kvjax "
       f"{args.policy} {args.budget} | transformers | kvjax full speed / transformers | decode "
       "ms/token kvjax full | kvjax compressed | transformers | kvjax full speed / transformers |"
+      + ("" if anchor is None else " llama.cpp f32 prefill tok/s | decode ms/token |")
   )
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("" if anchor is None else "---:|---:|"))
   for n in args.lengths:
     prompt = ids[:n]
     for spec in (full, compressed):  # compile outside the timed rounds
       _, state = _kvjax_prefill(model, prompt, spec, args.decode_steps)
       _kvjax_decode(model, state, args.decode_steps)
     _torch_prefill_decode(ref, prompt[:64], 2)
-    times = {k: [] for k in ("full_p", "comp_p", "torch_p", "full_d", "comp_d", "torch_d")}
+    if anchor is not None:
+      _llama_cpp_prefill_decode(anchor, prompt, 2)
+    names = ("full_p", "comp_p", "torch_p", "full_d", "comp_d", "torch_d", "cpp_p", "cpp_d")
+    times = {k: [] for k in names}
     for _ in range(args.repeats):
       seconds, state = _kvjax_prefill(model, prompt, full, args.decode_steps)
       times["full_p"].append(seconds)
@@ -143,12 +204,17 @@ def _table(args, model, ref, ids):
       times["comp_p"].append(seconds)
       times["comp_d"].append(_kvjax_decode(model, state, args.decode_steps))
       del state
-    med = {k: statistics.median(v) for k, v in times.items()}
+      if anchor is not None:
+        prefill, decode = _llama_cpp_prefill_decode(anchor, prompt, args.decode_steps)
+        times["cpp_p"].append(prefill)
+        times["cpp_d"].append(decode)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    cpp = "" if anchor is None else f" {n / med['cpp_p']:.0f} | {1e3 * med['cpp_d']:.1f} |"
     print(
         f"| {n} | {n / med['full_p']:.0f} | {n / med['comp_p']:.0f} | {n / med['torch_p']:.0f} "
         f"| {med['torch_p'] / med['full_p']:.2f} | {1e3 * med['full_d']:.1f} "
         f"| {1e3 * med['comp_d']:.1f} | {1e3 * med['torch_d']:.1f} "
-        f"| {med['torch_d'] / med['full_d']:.2f} |",
+        f"| {med['torch_d'] / med['full_d']:.2f} |{cpp}",
         flush=True,
     )
 
