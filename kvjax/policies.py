@@ -265,7 +265,9 @@ class KeyNorm(Policy):
   name: ClassVar[str] = "knorm"
 
   def scores(self, cache, key):
-    return -jnp.linalg.norm(logical_view(cache, cache.k_pages).astype(jnp.float32), axis=-1)
+    # Norms over the pool, then their logical order: gathering [P, S] scalars instead of
+    # every cached key's [D] row.
+    return -logical_view(cache, jnp.linalg.norm(cache.k_pages.astype(jnp.float32), axis=-1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -727,6 +727,20 @@ def test_bad_budget_schedule_in_plan(tiny):
     _plan(tiny[0], "h2o", 16, budget_schedule="linear")
 
 
+def test_knorm_scores_are_the_negated_norms_of_the_cached_keys():
+  model = tiny_llama(n_layers=2, max_context=512)
+  ids = np.random.default_rng(1).integers(3, 250, 200).tolist()
+  state = kvjax.prefill(model, [ids], kvjax.CompressionSpec(policy="knorm", budget=64))
+  state, _ = kvjax.decode(model, state, 20)  # one eviction event while decoding
+  cache = state.cache
+  keys = np.asarray(kvjax.cache.logical_view(cache, cache.k_pages))  # [L, B, H, N, D]
+  valid = np.asarray(kvjax.cache.valid_mask(cache))
+  scores = np.asarray(policies.KeyNorm().scores(cache, None))
+  np.testing.assert_allclose(
+      scores[valid], -np.linalg.norm(keys, axis=-1)[valid], rtol=1e-6, atol=1e-6
+  )
+
+
 def test_only_policies_that_read_the_probabilities_get_them():
   reads = {name for name, cls in policies.POLICIES.items() if cls().needs_probs}
   assert reads == {
