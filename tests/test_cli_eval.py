@@ -19,7 +19,7 @@ def _run(tmp_path, capsys, *argv):
         (["eval", "fidelity"], "kl"),
         pytest.param(["eval", "passkey"], "accuracy", marks=pytest.mark.slow),
         pytest.param(["eval", "multi-question"], "questions", marks=pytest.mark.slow),
-        # perplexity runs through the CLI in test_user_data_text_and_jsonl
+        # perplexity runs through the CLI in test_user_data_text_and_jsonl (slow)
         pytest.param(["eval", "perplexity"], "ppl", marks=pytest.mark.slow),
         (["eval", "retention"], "retention"),
         pytest.param(["bench"], "decode_ms_per_token", marks=pytest.mark.slow),
@@ -57,6 +57,7 @@ def test_passkey_reports_the_full_cache_accuracy_beside_each_policy(tmp_path, ca
   assert results["config"]["data"]["kind"] == "text"
 
 
+@pytest.mark.slow  # CLI input formats; the eval API covers the rest by default
 def test_user_data_text_and_jsonl(tmp_path, capsys):
   text = tmp_path / "mine.txt"
   text.write_text(E.default_text()[:8000])

@@ -54,7 +54,7 @@ def test_full_cache_costs_no_eviction(full):
   assert full["kv_bytes_peak"] == full["kv_bytes_final"]
 
 
-@pytest.mark.parametrize("policy", ["h2o", "group_history"])
+@pytest.mark.parametrize("policy", ["h2o", pytest.param("group_history", marks=pytest.mark.slow)])
 def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, policy):
   cost = decode_cost(
       tiny, CONTEXT, kvjax.CompressionSpec(policy, budget=48), decode_steps=24, repeats=1

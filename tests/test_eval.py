@@ -321,6 +321,7 @@ def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tok
     E.instruction_retention(model, tokenizer, text_ids, context_tokens=256, depths=(1.5,))
 
 
+@pytest.mark.slow  # a sweep per policy; test_hardening's sweep test covers saving rows by default
 def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
     model, tokenizer, text_ids, monkeypatch, tmp_path
 ):

@@ -192,7 +192,11 @@ def test_train_scorer_command_checks_its_options_before_loading(capsys):
   assert "held_out must be a fraction" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["h2o", "h2o_mean", "snapkv", "knorm"])
+@pytest.mark.parametrize(
+    "name",
+    ["h2o", pytest.param("h2o_mean", marks=pytest.mark.slow), "snapkv"]
+    + [pytest.param("knorm", marks=pytest.mark.slow)],
+)
 def test_any_token_policy_can_compress_once_with_a_global_budget(name):
   model, tokenizer = tiny_llama(max_context=1024, n_layers=2, qk_scale=20.0), ByteTokenizer()
   ids = tokenizer.encode(TEXT[:600])

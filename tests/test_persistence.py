@@ -299,6 +299,7 @@ def test_cli_prefill_saves_a_state_that_ask_answers_from(tmp_path):
   assert out.returncode == 2 and "--overwrite" in out.stderr
 
 
+@pytest.mark.slow  # two model loads in subprocesses
 def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
   """The default model: the first load stores its converted weights, a later load reads
   them (same parameters, same tokenizer); a damaged entry is converted again."""

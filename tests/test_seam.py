@@ -53,7 +53,11 @@ def test_custom_model_generates_the_same_tokens_through_the_seam_as_with_its_own
   assert through_seam.tokens[0] == ex.plain_greedy(model, ids, 6)
 
 
-@pytest.mark.parametrize("name, args", [("custom_model", []), ("custom_policy", ["--tiny"])])
+# custom_model's seam is tested directly above; running its script is slow.
+@pytest.mark.parametrize(
+    "name, args",
+    [pytest.param("custom_model", [], marks=pytest.mark.slow), ("custom_policy", ["--tiny"])],
+)
 def test_examples_run(name, args):
   run = subprocess.run(
       [sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],

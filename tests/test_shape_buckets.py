@@ -48,7 +48,7 @@ def test_the_request_sequence_compiles_one_set_per_bucket():
   assert set(seen.values()) == {2}, counts  # one prefill chunk step + one decode loop
 
 
-@pytest.mark.parametrize("policy", [None, "h2o"])
+@pytest.mark.parametrize("policy", [None, pytest.param("h2o", marks=pytest.mark.slow)])
 def test_greedy_tokens_do_not_depend_on_the_capacity(policy):
   """A longer reserve (a larger bucket) changes shapes, never the answer."""
   model, tok = tiny_llama(max_context=1024, qk_scale=20.0), ByteTokenizer()
