@@ -93,9 +93,13 @@ def _llama_cpp(path: pathlib.Path, n_ctx: int):
     params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
     params.allow_requantize = True
     partial = f32.with_suffix(".partial")
-    if llama_cpp.llama_model_quantize(
-        str(path).encode(), str(partial).encode(), ctypes.byref(params)
-    ):
+    from llama_cpp._utils import suppress_stdout_stderr  # its per-tensor log
+
+    with suppress_stdout_stderr(disable=False):
+      failed = llama_cpp.llama_model_quantize(
+          str(path).encode(), str(partial).encode(), ctypes.byref(params)
+      )
+    if failed:
       raise RuntimeError(f"llama.cpp could not convert {path} to float32")
     partial.replace(f32)
   threads = int(os.environ.get("KVJAX_BENCH_THREADS", 2))
