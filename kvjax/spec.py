@@ -288,17 +288,21 @@ class CompressionSpec:
 
   # ---- the budget, in one place ----------------------------------------------------------
 
-  def budget_tokens(self, length: int) -> int | None:
+  def budget_tokens(self, length: int, *, strict: bool = False) -> int | None:
     """Tokens kept per sequence for a prompt of `length` tokens (None: the full cache): an
-    int budget as given, a fraction of `length` rounded down to whole groups (>= 1 group)."""
+    int budget as given, a fraction of `length` rounded down to whole groups (>= 1 group).
+    A fraction of a prompt too short for the protected tokens keeps those (the floor), so a
+    spec tuned on long prompts also serves short ones; `strict` raises instead."""
     if not self.evicts or self.auto:
       return None  # 'auto': as many as score above the threshold
     if isinstance(self.budget, float):
       group = self.group
       tokens = max(group, int(self.budget * length) // group * group)
-      self._check_budget(
-          tokens, f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)"
-      )
+      what = f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)"
+      if not strict:
+        while tokens < min_budget(self.page_size, self.sink, self.recent_tokens(tokens), group):
+          tokens += group
+      self._check_budget(tokens, what)
       return tokens
     return int(self.budget)
 

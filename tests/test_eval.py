@@ -254,6 +254,18 @@ def test_resolve_budget_rounds_fractions_to_whole_groups():
   assert _tasks.resolve_budget(spec("group_history", 0.3), 256) == 64  # whole 16-token pages
 
 
+def test_a_fraction_of_a_short_prompt_keeps_the_protected_tokens():
+  """A tuned fraction meets a prompt too short for its sink and recent window: it keeps
+  the floor instead of failing (strict, for the tuner, still refuses)."""
+  spec = kvjax.CompressionSpec("h2o", 0.1295)  # 31 tokens -> 3, below sink 4 + recent
+  tokens = spec.budget_tokens(31)
+  floor = kvjax.spec.min_budget(spec.page_size, spec.sink, spec.recent_tokens(tokens), 1)
+  assert tokens == floor == 5
+  with pytest.raises(ValueError, match="cannot hold the protected sink=4"):
+    spec.budget_tokens(31, strict=True)
+  assert kvjax.CompressionSpec("group_history", 0.01).budget_tokens(100) % 16 == 0
+
+
 def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
     model, tokenizer, text_ids
 ):

@@ -484,7 +484,7 @@ def _spec_or_none(make_spec, rho, lengths):
   try:
     spec = make_spec(rho)
     for length in lengths:
-      spec.budget_tokens(length)
+      spec.budget_tokens(length, strict=True)
     return spec
   except ValueError:
     return None
