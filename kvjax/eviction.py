@@ -46,8 +46,16 @@ def lowest(x: Float[Array, "... M"], k: Int[Array, "..."] | int) -> Bool[Array, 
   [0, M]), in jnp.sort's order with ties to the earlier index: exactly what the first k of
   a stable argsort pick, found by a binary search for the k-th smallest key (32 passes of
   compare-and-count) instead of a sort."""
+  x, k = jnp.asarray(x), jnp.asarray(k)
+  if x.ndim < 1:
+    raise ValueError(f"x must have a last axis to choose along, got shape {x.shape}")
+  try:
+    k = jnp.broadcast_to(k.astype(jnp.int32), x.shape[:-1])[..., None]
+  except ValueError:
+    raise ValueError(
+        f"k of shape {k.shape} does not broadcast to x's rows {x.shape[:-1]}"
+    ) from None
   keys = _sort_keys(x)
-  k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), x.shape[:-1])[..., None]
 
   def narrow(_, bounds):  # smallest key t with count(keys <= t) >= k lies in [lo, hi]
     lo, hi = bounds

@@ -300,7 +300,7 @@ class CompressionSpec:
       tokens = max(group, int(self.budget * length) // group * group)
       what = f"budget={self.budget} of a {length}-token prompt ({tokens} tokens)"
       if not strict:
-        while tokens < min_budget(self.page_size, self.sink, self.recent_tokens(tokens), group):
+        while tokens < self._floor(tokens):
           tokens += group
       self._check_budget(tokens, what)
       return tokens
@@ -317,6 +317,10 @@ class CompressionSpec:
       return budget // 4
     return max(self.page_size, budget // 4 // self.page_size * self.page_size)
 
+  def _floor(self, tokens: int) -> int:
+    """The least budget that holds the protected sink and recent window of a `tokens` budget."""
+    return min_budget(self.page_size, self.sink, self.recent_tokens(tokens), self.group)
+
   def _check_budget(self, tokens: int, what: str):
     group = self.group
     if group > 1 and tokens % group:
@@ -324,7 +328,7 @@ class CompressionSpec:
           f"CompressionSpec: {what} must be a multiple of page_size={self.page_size} for "
           f"block eviction (policy {self.policy.name!r}); or use group_size=1"
       )
-    floor = min_budget(self.page_size, self.sink, self.recent_tokens(tokens), group)
+    floor = self._floor(tokens)
     if tokens < floor:
       raise ValueError(
           f"CompressionSpec: {what} cannot hold the protected sink={self.sink} and recent="

@@ -115,6 +115,22 @@ def test_lowest_picks_what_a_stable_argsort_picks(seed, values):
   np.testing.assert_array_equal(np.asarray(lowest(jnp.asarray(x), jnp.asarray(k))), expected)
 
 
+@pytest.mark.parametrize(
+    "x, k, message",
+    [
+        (jnp.float32(1.0), 1, "x must have a last axis"),
+        (
+            jnp.zeros((3, 5)),
+            jnp.array([1, 2]),
+            r"k of shape \(2,\) does not broadcast to x's rows \(3,\)",
+        ),
+    ],
+)
+def test_lowest_refuses_shapes_it_cannot_choose_along(x, k, message):
+  with pytest.raises(ValueError, match=message):
+    lowest(x, k)
+
+
 def test_lowest_hand_case():
   x = jnp.array([[3.0, 1.0, 2.0, 1.0, -jnp.inf, 5.0]])
   # -inf, then the two 1.0s (earlier index first), then 2.0

@@ -206,6 +206,20 @@ def test_accuracy_is_judged_by_its_wilson_lower_bound(share, n, bound):
   assert items_for_accuracy(0.95) == 19 and items_for_accuracy(0.9) == 9
 
 
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: accuracy_bound(1.5, 10), r"share must be in \[0, 1\], got 1.5"),
+        (lambda: accuracy_bound(0.5, -1), "n must be an int >= 0"),
+        (lambda: accuracy_bound(0.5, 2.5), "n must be an int >= 0"),
+        (lambda: items_for_accuracy(0.0), r"accuracy value must be in \(0, 1\], got 0.0"),
+    ],
+)
+def test_accuracy_helpers_refuse_bad_values(call, message):
+  with pytest.raises(ValueError, match=message):
+    call()
+
+
 def _tiny_tune(model, tokenizer, target, *, items, steps):
   """`tune` on random ids with the tiny model, kvzip only, quietly."""
   return tune(
@@ -359,6 +373,8 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
         ({"text": "x", "target": "accuracy=0.9"}, ValueError, "needs question cases"),
         # 24 cases leave 16 to tune on; 0.95 needs 19 (16/17 < 0.95 <= 19/20).
         ({"cases": [{}] * 24, "target": "accuracy=0.95"}, ValueError, "at least 19 tuning items"),
+        # An iterator of cases is read once: the message still counts 24.
+        ({"cases": iter([{}] * 24), "target": "accuracy=0.95"}, ValueError, "24 cases hold out"),
     ],
 )
 def test_tune_rejects_bad_arguments_before_any_work(model, tokenizer, kwargs, error, message):

@@ -19,7 +19,7 @@ temporary directory: the first pass then compiles everything (a new machine); wi
 When `llama-cpp-python` is installed (it is no kvjax dependency: `pip install
 llama-cpp-python` builds llama.cpp from source), the table gains llama.cpp as an anchor:
 the same GGUF converted once to float32 by llama.cpp's own quantize call (so that all three
-run float32 weights), 2 threads, 512-token batches, timed in the same rounds.
+run float32 weights), the torch peer's thread count, 512-token batches, timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def _torch_generate(ref, ids, new_tokens):
     return time.perf_counter() - start
 
 
-def _llama_cpp(path: pathlib.Path, n_ctx: int):
-  """llama.cpp on a float32 copy of the GGUF, or None when llama-cpp-python is missing."""
+def _llama_cpp(path: pathlib.Path, n_ctx: int, threads: int):
+  """llama.cpp on a float32 copy of the GGUF (as many threads as the torch peer), or None
+  when llama-cpp-python is missing."""
   try:
     import llama_cpp
   except ImportError:
@@ -102,7 +103,6 @@ def _llama_cpp(path: pathlib.Path, n_ctx: int):
     if failed:
       raise RuntimeError(f"llama.cpp could not convert {path} to float32")
     partial.replace(f32)
-  threads = int(os.environ.get("KVJAX_BENCH_THREADS", 2))
   return llama_cpp.Llama(
       model_path=str(f32),
       n_ctx=n_ctx,
@@ -164,7 +164,7 @@ def main(argv=None):
   ids = tok.encode(default_text())
   anchor = None
   if args.part != "sequence":
-    anchor = _llama_cpp(path, max(args.lengths) + args.decode_steps + 8)
+    anchor = _llama_cpp(path, max(args.lengths) + args.decode_steps + 8, torch.get_num_threads())
   print(
       f"# kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "

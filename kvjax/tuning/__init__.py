@@ -87,7 +87,11 @@ class Target:
 
 def accuracy_bound(share: float, n: int, z: float = 1.0) -> float:
   """Wilson score lower bound of a share measured on n items (z standard errors)."""
-  if n <= 0:
+  if not 0 <= share <= 1:
+    raise ValueError(f"share must be in [0, 1], got {share!r}")
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    raise ValueError(f"n must be an int >= 0 (items measured), got {n!r}")
+  if n == 0:
     return 0.0
   centre = share + z * z / (2 * n)
   spread = z * np.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
@@ -96,6 +100,8 @@ def accuracy_bound(share: float, n: int, z: float = 1.0) -> float:
 
 def items_for_accuracy(value: float) -> int:
   """The fewest tuning items whose perfect score bounds accuracy >= value (n/(n+1))."""
+  if not 0 < value <= 1:
+    raise ValueError(f"accuracy value must be in (0, 1], got {value!r}")
   return int(np.ceil(value / (1 - value) - 1e-9)) if value < 1 else 0
 
 
@@ -258,17 +264,19 @@ def tune(
   if not once:
     raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
   ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  if cases is not None:
+    cases = list(cases)[:max_items]  # read once: an iterator is not consumed twice
   if target.metric == "accuracy":
     if text is not None:
       raise ValueError(
           "target accuracy needs question cases (cases=); a text sample takes kl= or memory="
       )
-    n_tune = len(split([None] * len(list(cases)[:max_items]), held_out)[0])
+    n_tune = len(split([None] * len(cases), held_out)[0])
     need = items_for_accuracy(target.value)
     if n_tune < need:
       raise ValueError(
           f"target {target} needs at least {need} tuning items (a perfect score on n items "
-          f"bounds accuracy at n/(n+1)); {len(list(cases)[:max_items])} cases hold out "
+          f"bounds accuracy at n/(n+1)); {len(cases)} cases hold out "
           f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} cases "
           "(max_items, --items)"
       )
@@ -281,7 +289,7 @@ def tune(
         max_items=max_items,
     )
   else:
-    items = question_items(model, tokenizer, list(cases)[:max_items], progress=say)
+    items = question_items(model, tokenizer, cases, progress=say)
     full_accuracy = np.mean([it.correct(it.full_answer) for it in items])
     if target.metric == "accuracy":
       say(f"full cache: accuracy {full_accuracy:.2f} on {len(items)} cases")
