@@ -100,6 +100,10 @@ class PagedKVCache:
   chunk: int = struct.field(pytree_node=False, default=1)
   # A policy's state that is not per token (`Policy.init_extra`): any arrays, e.g. [L, B, ...].
   extra: dict[str, Array] = struct.field(default_factory=dict)
+  # The device mesh the cache is sharded over (`kvjax.sharding`): then the pool arrays have
+  # a leading shard axis ([G, P, S, D], free stack [G, P], counters [G]) and page ids are
+  # local to a shard. None: one device, the layout above.
+  mesh: object = struct.field(pytree_node=False, default=None)
 
   # Read-only shortcuts into the page table; updates go through `pages.replace`.
   @property
@@ -112,7 +116,13 @@ class PagedKVCache:
 
   @property
   def status(self) -> Int[Array, ""]:
-    return self.pages.status
+    """The `Status` bits raised so far (on any shard of a sharded cache)."""
+    status = self.pages.status
+    if status.ndim:  # one per shard: OR them, bit by bit (a max reduces over devices)
+      bit = jnp.arange(len(Status), dtype=jnp.int32)
+      raised = ((status[:, None] >> bit) & 1).max(axis=0)
+      return (raised << bit).sum().astype(jnp.int32)
+    return status
 
   def slot(self, name: str) -> Array:
     """The per-slot array `name` ([P, S]); KeyError naming the declared slots."""
@@ -156,7 +166,8 @@ class PagedKVCache:
 
   @property
   def num_pages(self) -> int:
-    return self.k_pages.shape[0]
+    """Pages in the pool (of one shard, when sharded)."""
+    return self.k_pages.shape[-3]
 
   def pages_in_use(self) -> Int[Array, "L B H"]:
     return -(-self.length // self.config.page_size)

@@ -30,6 +30,7 @@ from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, lowest, protection_mask
+from kvjax.sharding import all_heads, any_shard, my_heads
 from pallas_kernels import output_impact as output_impact_kernel
 
 
@@ -638,6 +639,11 @@ def head_budgets(
   layer_budget = jnp.broadcast_to(jnp.asarray(layer_budget, jnp.int32), (l,))
   if sharing == "uniform":
     return jnp.broadcast_to(layer_budget[:, None, None], (l, b, h))
+  # A ranking across kv heads: on a sharded cache, over the heads of every model shard
+  # (gathered once), so each shard keeps what one device would; then this shard's heads.
+  local_heads = h
+  scores, keep, valid = (all_heads(x, axis=2) for x in (scores, keep, valid))
+  h = scores.shape[2]
   ranked = jnp.where(keep, jnp.inf, jnp.where(valid, scores, -jnp.inf))
   if sharing == "layer":
     if floor > 0:  # each head's own best `floor` share counts in first
@@ -649,7 +655,8 @@ def head_budgets(
     kept = _best(per_row, layer_budget.sum() * h).reshape(b, l, h, n).transpose(1, 0, 2, 3)
   else:
     raise ValueError(f"sharing must be one of {HEAD_BUDGETS}, got {sharing!r}")
-  return ((kept | keep) & valid).sum(-1).astype(jnp.int32)
+  counts = ((kept | keep) & valid).sum(-1).astype(jnp.int32)
+  return my_heads(counts, axis=2, local=local_heads)
 
 
 def _best(x: Float[Array, "... M"], k) -> Bool[Array, "... M"]:
@@ -700,8 +707,8 @@ class EvictionPlan:
     budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
     margin = cfg.threshold - cfg.budget
     if self.per_head:
-      h = cache.num_kv_heads
-      needs = cache.length.sum(-1) > h * (budget[:, None] + margin)  # [L, B]
+      length = all_heads(cache.length, axis=2)  # a sharded cache: every kv head of the row
+      needs = length.sum(-1) > length.shape[2] * (budget[:, None] + margin)  # [L, B]
     else:
       needs = cache.length > budget[:, None, None] + margin
 
@@ -717,4 +724,6 @@ class EvictionPlan:
       limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
       return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)
 
-    return jax.lax.cond(needs.any(), run, lambda c: c, cache)
+    # On a sharded cache every shard takes the same branch: one device evicts every
+    # sequence once any of them passes its threshold, and so does the mesh.
+    return jax.lax.cond(any_shard(needs.any()), run, lambda c: c, cache)

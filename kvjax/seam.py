@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
 from kvjax.cache import PagedKVCache, append_layer
 from kvjax.policies import AttentionStats, Policy
+from kvjax.sharding import DATA, MODEL, on_shards
 from pallas_kernels.paged_attention import paged_attention
 
 _SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_context")
@@ -128,7 +130,7 @@ def forward(
   want_lse = policy is not None and policy.needs_lse
   want_probs = policy is not None and (policy.needs_probs or per_head)
 
-  def attend(q, k, v, cache, layer):
+  def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer):
     cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
     out, probs, *lse = paged_attention(
         q,
@@ -147,7 +149,7 @@ def forward(
     if policy is not None:
       head_probs = probs if per_head else None
       if per_head:  # [B, Hq, T, N] -> summed per kv head
-        probs = probs.reshape(b, cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
+        probs = probs.reshape(q.shape[0], cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
       lse = lse[0] if lse else None
       stats = AttentionStats(
           jnp.asarray(layer),
@@ -162,13 +164,43 @@ def forward(
           rotate=getattr(model, "rotate", None),
       )
       cache = policy.observe(cache, stats)
+    return cache, out
+
+  # On a sharded cache every cache operation runs per shard, on its rows and kv heads (with
+  # their query heads); the model around it runs under GSPMD.
+  heads = P(DATA, None, MODEL, None)
+  row = P(DATA, None)
+
+  def attend(q, k, v, cache, layer):
+    cache, out = on_shards(
+        attend_here,
+        cache,
+        q,
+        k,
+        v,
+        positions,
+        num_new,
+        protected,
+        segment,
+        jnp.asarray(layer),
+        specs=(heads, heads, heads, row, P(DATA), row, row, P()),
+        out_specs=heads,
+    )
     return out, cache
 
   after_layer = None
   if policy is not None:
 
     def after_layer(cache, layer, h_in, h_out):
-      return policy.observe_layer(cache, layer, h_in, h_out, num_new)
+      return on_shards(
+          lambda c, layer, h_in, h_out, n: policy.observe_layer(c, layer, h_in, h_out, n),
+          cache,
+          jnp.asarray(layer),
+          h_in,
+          h_out,
+          num_new,
+          specs=(P(), row, row, P(DATA)),
+      )
 
   full_logits = policy is not None and policy.needs_logits
   logits, cache = model.run(
@@ -180,7 +212,13 @@ def forward(
       logits_at=None if full_logits else logits_at,
   )
   if full_logits:
-    cache = policy.observe_logits(cache, logits, num_new)
+    cache = on_shards(
+        lambda c, logits, n: policy.observe_logits(c, logits, n),
+        cache,
+        logits,
+        num_new,
+        specs=(P(DATA), P(DATA)),
+    )
     if logits_at is not None:
       logits = logits[jnp.arange(b), logits_at]
   return logits, cache

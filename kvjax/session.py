@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import (
@@ -35,11 +36,11 @@ from kvjax.cache import (
     check_status,
     free_stack,
     init_cache,
-    live_pages,
     logical_view,
     packed_table,
     valid_mask,
 )
+from kvjax import sharding as shards
 from kvjax.config import cache_dir
 from kvjax.eviction import evict, protection_mask
 from kvjax.eviction import truncate as _truncate_cache
@@ -155,7 +156,7 @@ def _compiled(fn, statics: dict, *args):
       fn,
       tuple(statics.items()),
       treedef,
-      tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
+      tuple((jnp.shape(x), jnp.result_type(x), _mesh_sharding(x)) for x in leaves),
   )
   if key in _COMPILED:
     _COMPILED.move_to_end(key)
@@ -178,6 +179,18 @@ def _compiled(fn, statics: dict, *args):
       jax.clear_caches()
       gc.collect()
   return compiled
+
+
+def _mesh_sharding(x):
+  """The sharding of an array laid out over a mesh (an executable compiled for one refuses
+  another); None on one device, where arguments move freely."""
+  sharding = getattr(x, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
+def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:
+  """`eviction.apply` on every shard of the cache (on the cache itself on one device)."""
+  return shards.on_shards(eviction.apply, cache, key, specs=(P(),))
 
 
 def _policy(plan: CachePlan):
@@ -205,8 +218,8 @@ def _prefill_chunk(
   )
   peak = cache.pages_in_use().sum()
   if plan.eviction is not None:
-    cache = plan.eviction.apply(cache, key)
-  return logits, cache, peak
+    cache = _evict(plan.eviction, cache, key)
+  return shards.rows(logits, cache.mesh), shards.constrain(cache), peak
 
 
 @struct.dataclass
@@ -281,10 +294,10 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     )
     peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
     if eviction is not None:
-      cache = eviction.apply(cache, evict_key)
+      cache = _evict(eviction, cache, evict_key)
     state = s.replace(
-        cache=cache,
-        logits=jnp.where(emit[:, None], logits[:, 0], s.logits),
+        cache=shards.constrain(cache),
+        logits=shards.rows(jnp.where(emit[:, None], logits[:, 0], s.logits), cache.mesh),
         position=s.position + emit,
         done=s.done | stop,
         key=key,
@@ -299,7 +312,39 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
         recorded=recorded,
     )
 
-  return jax.lax.while_loop(cond, body, decoding)
+  return _laid_out(jax.lax.while_loop(cond, body, decoding))
+
+
+def _laid_out(tree):
+  """A `State` or `_Decoding` with its arrays in the mesh layout of its cache: the cache's
+  own, per-row arrays over `data`, the rest replicated. Inside jit a constraint, on the
+  host a placement; nothing on one device. Compiled steps then hand each other arrays of
+  one sharding (no second compilation for a sharding the first call did not see)."""
+  state = tree if isinstance(tree, State) else tree.state
+  mesh = state.cache.mesh
+  if mesh is None:
+    return tree
+  row, one = (lambda x: shards.rows(x, mesh)), (lambda x: shards.replicated(x, mesh))  # noqa: E731
+  state = state.replace(
+      cache=shards.constrain(state.cache)
+      if isinstance(state.cache.length, jax.core.Tracer)
+      else shards.place(state.cache),
+      logits=row(state.logits),
+      position=row(state.position),
+      done=row(state.done),
+      key=one(state.key),
+      peak_pages=one(state.peak_pages),
+  )
+  if isinstance(tree, State):
+    return state
+  return tree.replace(
+      state=state,
+      tokens=row(tree.tokens),
+      num_generated=row(tree.num_generated),
+      stopped=row(tree.stopped),
+      step=one(tree.step),
+      recorded=None if tree.recorded is None else row(tree.recorded),
+  )
 
 
 # ---- the public API ------------------------------------------------------------------------
@@ -316,6 +361,7 @@ def prefill(
     seed: int = 0,
     key: Array | None = None,
     progress: Callable[[int, int], None] | None = None,
+    mesh=None,
 ) -> State:
   """Prefills a batch of prompts into a compressed cache, in chunks with eviction after each.
 
@@ -331,11 +377,17 @@ def prefill(
     seed, key: randomness for sampling and random eviction.
     progress: called as `progress(tokens_read, tokens_total)` (of the longest prompt) after
       each prefill chunk, e.g. to draw a progress bar.
+    mesh: shard the cache and the model over devices (`kvjax.sharding`): a jax `Mesh` with
+      axes ('data', 'model'), "data=2,model=2", a dict or (data, model). Rows go over
+      `data`, kv heads over `model`; the model's weights are placed on the mesh (in place)
+      by its `partition` rules. The state keeps the mesh: `decode`/`extend` run sharded.
   """
   spec = CompressionSpec() if spec is None else spec
   if progress is not None and not callable(progress):
     raise TypeError(f"progress must be a callable(done, total) or None, got {progress!r}")
-  state, encoded, shape, reserve = _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key)
+  state, encoded, shape, reserve = _begin(
+      model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh
+  )
   if not state.plan.compresses_after_prefill:
     return _prefill(model, state, encoded, state.key, progress)
   state = _read_and_score(model, state, encoded, tokenizer, shape, progress)
@@ -464,17 +516,25 @@ def decode(
       step=jnp.int32(0),
       recorded=jnp.zeros((b, max_new_tokens, vocab), jnp.float32) if return_logits else None,
   )
-  was_done = np.asarray(state.done)
+  decoding = _laid_out(decoding)
+  was_done = shards.to_host(state.done)
   graphdef, params = nnx.split(model)
   before = compile_stats()
-  args = (params, decoding, jnp.asarray(stop), sampling.arrays(), forced)
+  mesh = state.cache.mesh
+  args = (
+      params,
+      decoding,
+      shards.replicated(jnp.asarray(stop), mesh),
+      shards.replicated(sampling.arrays(), mesh),
+      None if forced is None else shards.rows(forced, mesh),
+  )
   steps = _compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args)
   start = time.perf_counter()
   decoding = jax.block_until_ready(steps(*args))
   seconds = time.perf_counter() - start
   check_status(decoding.state.cache)
-  num_generated = np.asarray(decoding.num_generated)
-  all_tokens, stopped = np.asarray(decoding.tokens), np.asarray(decoding.stopped)
+  num_generated = shards.to_host(decoding.num_generated)
+  all_tokens, stopped = shards.to_host(decoding.tokens), shards.to_host(decoding.stopped)
   after = compile_stats()
   result = DecodeResult(
       tokens=[all_tokens[row, : num_generated[row]].tolist() for row in range(b)],
@@ -508,7 +568,7 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
 # ---- internals -----------------------------------------------------------------------------
 
 
-def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
+def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None):
   """A new state for `prompts` (nothing read yet) with the cache `spec` plans for them;
   returns (state, encoded prompts, model shape, reserve clipped to the model context)."""
   if not isinstance(spec, CompressionSpec):
@@ -530,21 +590,46 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
   most_protected = max(sum(row) for row in encoded.protected)
   plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve, protected=most_protected)
   policy = _policy(plan)
-  extra = {}
-  if policy is not None and policy.keeps_extra:  # only then: Hq costs an abstract model call
-    extra = policy.init_extra(
-        shape.n_layers, batch, shape.n_kv_heads, query_heads(model), shape.head_dim
+  mesh = shards.make_mesh(mesh)
+  if mesh is not None:
+    shards.check_mesh(mesh, batch=batch, kv_heads=shape.n_kv_heads)
+    shards.check_policy(policy)
+    if spec.allocation is not None:
+      raise ValueError("a learned head allocation is not sharded yet: run it without a mesh")
+    if shards.model_mesh(model) != mesh:
+      shards.shard_model(model, mesh)
+    # The plan's pool is the whole batch's; each shard holds its share of the sequences.
+    cfg = plan.config
+    if cfg.num_pages is not None:
+      per_shard = -(-(cfg.num_pages - 1) // shards.num_shards(mesh)) + 1
+      plan = dataclasses.replace(plan, config=dataclasses.replace(cfg, num_pages=per_shard))
+    cache = shards.sharded_cache(
+        plan.config,
+        mesh,
+        shape.n_layers,
+        batch,
+        shape.n_kv_heads,
+        shape.head_dim,
+        chunk=plan.chunk,
+        slots=() if policy is None else policy.slots,
     )
-  cache = init_cache(
-      plan.config,
-      shape.n_layers,
-      batch,
-      shape.n_kv_heads,
-      shape.head_dim,
-      chunk=plan.chunk,
-      slots=() if policy is None else policy.slots,
-      extra=extra,
-  )
+    plan = dataclasses.replace(plan, config=cache.config)
+  else:
+    extra = {}
+    if policy is not None and policy.keeps_extra:  # only then: Hq costs an abstract model call
+      extra = policy.init_extra(
+          shape.n_layers, batch, shape.n_kv_heads, query_heads(model), shape.head_dim
+      )
+    cache = init_cache(
+        plan.config,
+        shape.n_layers,
+        batch,
+        shape.n_kv_heads,
+        shape.head_dim,
+        chunk=plan.chunk,
+        slots=() if policy is None else policy.slots,
+        extra=extra,
+    )
   # Host-made arrays: device transfers, no eager op to compile on a first call. The
   # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
   state = State(
@@ -556,7 +641,7 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key):
       peak_pages=jnp.asarray(np.int32(0)),
       plan=plan,
   )
-  return state, encoded, shape, reserve
+  return _laid_out(state), encoded, shape, reserve
 
 
 def _copy(tree):
@@ -581,7 +666,9 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
   plan, chunk = state.plan, state.plan.chunk
   graphdef, params = nnx.split(model)
   lengths = encoded.lengths
-  starts = np.asarray(state.position)
+  starts = shards.to_host(state.position)
+  mesh = state.cache.mesh
+  row = lambda x: shards.rows(x, mesh)  # noqa: E731
   ids, protected, segment = encoded.padded(-(-int(lengths.max()) // chunk) * chunk)
   # The peak stays on device: reading it per chunk would stall dispatch of the next chunk.
   last_logits, cache, peak = state.logits, state.cache, state.peak_pages
@@ -594,30 +681,31 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
     args = (
         params,
         cache,
-        ids[:, window],
-        positions,
-        num_new,
-        last_index,
-        protected[:, window],
-        segment[:, window],
-        jax.random.fold_in(key, int(starts.max()) + offset),
+        row(ids[:, window]),
+        row(positions),
+        row(num_new),
+        row(last_index),
+        row(protected[:, window]),
+        row(segment[:, window]),
+        shards.replicated(jax.random.fold_in(key, int(starts.max()) + offset), mesh),
     )
     step = _compiled(_prefill_chunk, statics, *args)
     logits, cache, pages = step(*args)
-    ends_here = (lengths - 1 >= offset) & (lengths - 1 < offset + chunk)
+    ends_here = row((lengths - 1 >= offset) & (lengths - 1 < offset + chunk))
     last_logits = jnp.where(ends_here[:, None], logits, last_logits)
     peak = jnp.maximum(peak, pages)
     if progress is not None:
       progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))
   check_status(cache)
   added = lengths > 0
-  return state.replace(
+  state = state.replace(
       cache=cache,
       logits=jax.block_until_ready(last_logits),
       position=jnp.asarray((starts + lengths).astype(np.int32)),
-      done=jnp.asarray(np.asarray(state.done) & ~added),
+      done=jnp.asarray(shards.to_host(state.done) & ~added),
       peak_pages=peak.astype(jnp.int32),
   )
+  return _laid_out(state)
 
 
 def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
@@ -626,7 +714,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   token (the full cache, or a context compressed once) grows when it is too short: longer
   page tables, more pages (new shapes, compiled once). An evicting cache's pool, sized
   for the first request, grows to what its budgets (and its protected tokens) hold."""
-  furthest = int(np.asarray(state.position).max()) + more
+  furthest = int(shards.to_host(state.position).max()) + more
   if furthest > shape.max_context:
     raise ValueError(
         f"the state's rows reach position {furthest - more}; {more} more tokens pass the "
@@ -636,9 +724,11 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     state = _copy(state)
   cache, cfg = state.cache, state.cache.config
   ps = cfg.page_size
-  length = np.asarray(cache.length)  # [L, B, H]
-  num_free = int(cache.pages.num_free)
+  # Per shard (one on a single device): each shard's pool serves its own sequences.
+  length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
+  num_free = np.atleast_1d(shards.to_host(cache.pages.num_free))  # [G]
   held = -(-length // ps)
+  per_shard_sum = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
   eviction = state.plan.eviction
   if eviction is not None:
     # Eviction holds a sequence at its budget (x heads when they share it) + one page of
@@ -648,36 +738,41 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     margin = ps + state.plan.chunk
     peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + margin
     target = np.minimum(length + more, np.maximum(peak, length + margin))
-    needed = int(np.sum(np.maximum(-(-target // ps) - held, 0)))
+    needed = per_shard_sum(np.maximum(-(-target // ps) - held, 0))
     capacity = max(cfg.max_tokens, -(-int(target.max()) // ps) * ps)
-    if needed <= num_free and capacity == cfg.max_tokens:
+    if (needed <= num_free).all() and capacity == cfg.max_tokens:
       return state
-    return _grow(state, capacity, max(needed - num_free, 0))
-  needed = int(np.sum(-(-(length + more) // ps) - held))
+    return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
+  needed = per_shard_sum(-(-(length + more) // ps) - held)
   capacity = cfg.max_tokens
-  if int(length.max()) + more <= capacity and needed <= num_free:
+  if int(length.max()) + more <= capacity and (needed <= num_free).all():
     return state
   # Grow by at least half of what each sequence can hold, so growth is rare.
   room = max(more, capacity // 2)
   top = math.ceil(shape.max_context / ps) * ps
   if int(length.max()) + more > capacity:
     capacity = min(capacity_bucket(int(length.max()) + room, ps, shape.max_context), top)
-  needed = int(np.sum(-(-np.minimum(length + room, capacity) // ps) - held))
-  return _grow(state, capacity, max(needed - num_free, 0))
+  needed = per_shard_sum(-(-np.minimum(length + room, capacity) // ps) - held)
+  return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
 
 
 def _grow(state: State, capacity: int, extra: int) -> State:
   """The state with page tables for `capacity` tokens per sequence and `extra` more free
-  pages (new shapes, compiled once)."""
+  pages in every shard's pool (new shapes, compiled once)."""
   cache, cfg = state.cache, state.cache.config
-  num_free = int(cache.pages.num_free)
+  num_free = np.atleast_1d(shards.to_host(cache.pages.num_free))  # [G]
   p = cache.num_pages
-  pad = lambda x, value: jnp.concatenate(  # noqa: E731
-      [x, jnp.full((extra, *x.shape[1:]), value, x.dtype)]
-  )
-  free = np.zeros(p + extra, np.int32)
-  free[:num_free] = np.asarray(cache.pages.free_pages)[:num_free]
-  free[num_free : num_free + extra] = np.arange(p + extra - 1, p - 1, -1)
+
+  def pad(x, value):  # `extra` pages of `value` after every shard's pool
+    y = shards.per_shard(cache, x)
+    more = jnp.full((y.shape[0], extra, *y.shape[2:]), value, x.dtype)
+    return shards.from_per_shard(cache, jnp.concatenate([y, more], axis=1))
+
+  old_free = shards.per_shard(cache, shards.to_host(cache.pages.free_pages))  # [G, P]
+  free = np.zeros((len(num_free), p + extra), np.int32)
+  for g, n in enumerate(num_free):
+    free[g, :n] = old_free[g, :n]
+    free[g, n : n + extra] = np.arange(p + extra - 1, p - 1, -1)
   table = cache.page_table
   new_cfg = dataclasses.replace(cfg, max_tokens=capacity, num_pages=p + extra)
   grown = cache.replace(
@@ -694,12 +789,14 @@ def _grow(state: State, capacity: int, extra: int) -> State:
               ],
               axis=-1,
           ),
-          free_pages=jnp.asarray(free),
-          num_free=jnp.int32(num_free + extra),
+          free_pages=jnp.asarray(shards.from_per_shard(cache, free)),
+          num_free=jnp.asarray(shards.from_per_shard(cache, (num_free + extra).astype(np.int32))),
       ),
       config=new_cfg,
   )
-  return state.replace(cache=grown, plan=dataclasses.replace(state.plan, config=new_cfg))
+  return state.replace(
+      cache=shards.place(grown), plan=dataclasses.replace(state.plan, config=new_cfg)
+  )
 
 
 # ---- query-agnostic compression (KVzip) ----------------------------------------------------
@@ -780,50 +877,75 @@ def _reconstruct(
   return state.replace(logits=logits, plan=plan)
 
 
-_truncate = jax.jit(_truncate_cache)
+@jax.jit
+def _truncate(cache: PagedKVCache, length) -> PagedKVCache:
+  """The cache cut back to `length` tokens per sequence (on every shard)."""
+  cut = shards.on_shards(
+      _truncate_cache, cache, length, specs=(P(None, shards.DATA, shards.MODEL),)
+  )
+  return shards.constrain(cut)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl", "allocation"))
 def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl, allocation):
   """Every sequence evicted to its share of the scored context (`policies.head_budgets`),
   ranked through the learned head `allocation` when the spec has one."""
-  ranked = policy.scores(cache, key)
-  if allocation is not None:
-    ranked = allocation.rank(ranked)
-  counts = head_budgets(
-      ranked,
-      protection_mask(cache),
-      valid_mask(cache),
-      jnp.full((cache.num_layers,), cache.config.budget, jnp.int32),
-      sharing,
-      threshold=threshold if auto else None,
-  )
-  return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
+
+  def evict_here(cache, threshold, key):
+    ranked = policy.scores(cache, key)
+    if allocation is not None:
+      ranked = allocation.rank(ranked)
+    counts = head_budgets(
+        ranked,
+        protection_mask(cache),
+        valid_mask(cache),
+        jnp.full((cache.num_layers,), cache.config.budget, jnp.int32),
+        sharing,
+        threshold=threshold if auto else None,
+    )
+    return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
+
+  return shards.constrain(shards.on_shards(evict_here, cache, threshold, key, specs=(P(), P())))
 
 
 def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:
   """The cache in a pool of exactly its live pages, plus room for `reserve` more tokens per
-  sequence: evicted memory is returned, not only marked free."""
+  sequence: evicted memory is returned, not only marked free. A sharded cache compacts
+  every shard's pool on its own; they share one size (the largest need)."""
   ps = cache.config.page_size
-  length = np.asarray(cache.length)
-  owned, old_ids = live_pages(cache)
-  live = len(old_ids)
-  headroom = int(np.sum(-(-(length + reserve) // ps) - owned.sum(-1)))
-  num_pages = 1 + live + headroom
-  gather = jnp.asarray(np.concatenate([[NULL_PAGE], old_ids]).astype(np.int32))
+  length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
+  table = shards.blocks(cache, shards.to_host(cache.page_table))  # [G, L, b, h, M]
+  owned = np.arange(table.shape[-1]) < (-(-length // ps))[..., None]
+  live = owned.sum(axis=(1, 2, 3, 4))  # [G]
+  headroom = (-(-(length + reserve) // ps) - owned.sum(-1)).sum(axis=(1, 2, 3))  # [G]
+  num_pages = 1 + int((live + headroom).max())
+  # Shard g's new pool: its null page, its live pages in table order, then free pages.
+  gather = np.full((len(live), num_pages), NULL_PAGE, np.int32)
+  packed = np.zeros_like(table)
+  free = np.zeros((len(live), num_pages), np.int32)
+  for g in range(len(live)):
+    gather[g, 1 : 1 + live[g]] = table[g][owned[g]]
+    packed[g] = packed_table(owned[g])
+    free[g] = free_stack(num_pages, live[g])
+  used = jnp.asarray(np.arange(num_pages) <= live[:, None])  # [G, num_pages]
+  gather = jnp.asarray(gather)
 
   def compact(x, empty):
-    kept = x[gather]
-    return jnp.concatenate([kept, jnp.full((headroom, *x.shape[1:]), empty, x.dtype)])
+    kept = jax.vmap(lambda pool, ids: pool[ids])(shards.per_shard(cache, x), gather)
+    mask = used.reshape(*used.shape, *([1] * (kept.ndim - 2)))
+    return shards.from_per_shard(cache, jnp.where(mask, kept, jnp.asarray(empty, x.dtype)))
 
-  return cache.replace(
+  compacted = cache.replace(
       k_pages=compact(cache.k_pages, 0),
       v_pages=compact(cache.v_pages, 0),
       slots={s.name: compact(cache.slots[s.name], s.empty) for s in cache.slot_specs},
       pages=cache.pages.replace(
-          table=jnp.asarray(packed_table(owned)),
-          free_pages=jnp.asarray(free_stack(num_pages, live)),
-          num_free=jnp.int32(headroom),
+          table=jnp.asarray(shards.unblocks(cache, packed)),
+          free_pages=jnp.asarray(shards.from_per_shard(cache, free)),
+          num_free=jnp.asarray(
+              shards.from_per_shard(cache, (num_pages - 1 - live).astype(np.int32))
+          ),
       ),
       config=dataclasses.replace(cache.config, num_pages=num_pages),
   )
+  return shards.place(compacted)

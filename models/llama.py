@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from models.config import ModelConfig, check_params
@@ -39,6 +40,12 @@ _QKV_BIASES = {
     "bv": lambda c: (c.n_kv_heads * c.head_dim,),
 }
 _NORMS = ("attn_norm", "mlp_norm")
+# Tensor-parallel rules (Megatron-style) over a mesh axis named "model": the projections
+# that make heads (and the MLP's hidden units) are split on their output axis, the ones
+# that read them back on their input axis, so each device computes its own heads and one
+# all-reduce per block joins them. Anything unnamed is replicated.
+_SPLIT_OUT = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "lm_head")
+_SPLIT_IN = ("wo", "w_down")
 
 
 class RopeFrequencies(nnx.Variable):
@@ -136,6 +143,16 @@ class Llama(nnx.Module):
     """Builds the model from canonical loader params (`[out, in]` linear weights)."""
     check_params(config, params, "params", optional=("rope_freqs",))
     return cls(config, dtype=dtype, params=params)
+
+  def partition(self, path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+    """How the parameter at `path` is laid out over a mesh axis "model" (the seam's optional
+    sharding rules, read by `kvjax.sharding.shard_model`); None: replicated."""
+    name = path[-1]
+    if name in _SPLIT_OUT:
+      return PartitionSpec(*([None] * (len(shape) - 1)), "model")
+    if name in _SPLIT_IN:
+      return PartitionSpec("model", None)
+    return None
 
   def rotate(self, x: Float[Array, "B T H D"], positions: Int[Array, "B T"]) -> Array:
     """x rotated by RoPE at `positions`, as `run` rotates q and k; a negative position undoes
