@@ -8,6 +8,7 @@ The session API (any model with the seam of `kvjax.seam`):
     state = kvjax.extend(model, state, follow_ups)
     a, b = kvjax.fork(state, 2)
     kvjax.save_state("doc.kvjax", state, model)     # orbax; kvjax.load_state in any process
+    state = kvjax.prefill(model, prompts, spec, mesh="data=2,model=2")   # over 4 devices
     kvjax.tune(model, tokenizer, text=sample, target="kl=0.05").write("tuned")
     spec = kvjax.load_spec("tuned/tuned.json", model)   # the setting kvjax chose
 
@@ -45,6 +46,7 @@ from kvjax.session import (
     fork,
     prefill,
 )
+from kvjax.sharding import make_mesh, shard_model
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import load_spec, tune
 
@@ -80,10 +82,12 @@ __all__ = [
     "load_spec",
     "load_state",
     "logical_view",
+    "make_mesh",
     "prefill",
     "protection_mask",
     "read_sequence",
     "save_state",
+    "shard_model",
     "state_info",
     "tune",
     "valid_mask",

@@ -212,6 +212,7 @@ def _generate(args) -> int:
   sampling = _from_args(kvjax.Sampling, args)
   if args.max_new_tokens < 1:
     raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  mesh = kvjax.sharding.make_mesh(args.mesh)
   prompt = _read_prompt(args)
   if not prompt.strip():
     raise ValueError("the prompt is empty")
@@ -223,6 +224,7 @@ def _generate(args) -> int:
       chat=args.chat,
       seed=args.seed,
       progress=_prefill_bar(args),
+      mesh=mesh,
   )
   if args.json:
     result = kvjax.generate(model, tokenizer, [prompt], spec, **options)
@@ -732,6 +734,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   gen.add_argument(
       "--json", action="store_true", help="print one JSON object with text, tokens, stats"
+  )
+  gen.add_argument(
+      "--mesh",
+      default=None,
+      help="shard the cache and the model over devices, e.g. model=2 (kv heads) or "
+      "data=2,model=2; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N",
   )
   gen.set_defaults(func=_generate)
   evaluation = sub.add_parser("eval", help="quality of compressed caches vs the full cache")

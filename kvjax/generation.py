@@ -20,6 +20,7 @@ from jaxtyping import Array
 
 from kvjax.prompts import Segment, encode_prompts
 from kvjax.seam import ModelShape
+from kvjax.sharding import num_shards, to_host
 from kvjax.session import Sampling, compile_stats, decode, prefill
 from kvjax.spec import CompressionSpec
 
@@ -85,6 +86,7 @@ def generate(
     key: Array | None = None,
     stream: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    mesh=None,
 ) -> GenerationResult | "Generation":
   """Generates continuations of a batch of prompts of different lengths.
 
@@ -100,6 +102,7 @@ def generate(
       own tokens (system prompt, role markers) are protected.
     stream: return a `Generation` iterator of `TokenEvent`s instead of the result.
     progress: `progress(tokens_read, tokens_total)` after each prefill chunk (`prefill`).
+    mesh: shard the cache and the model over devices, e.g. "data=2,model=2" (`prefill`).
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -120,7 +123,18 @@ def generate(
     )
   key = jax.random.key(seed) if key is None else key
   run = _run(
-      model, tokenizer, prompts, spec, shape, max_new_tokens, sampling, chat, key, stream, progress
+      model,
+      tokenizer,
+      prompts,
+      spec,
+      shape,
+      max_new_tokens,
+      sampling,
+      chat,
+      key,
+      stream,
+      progress,
+      mesh,
   )
   generation = Generation(run)
   if stream:
@@ -141,7 +155,9 @@ class Generation:
     self.result = yield from self._run
 
 
-def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream, progress):
+def _run(
+    model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream, progress, mesh
+):
   compiled = compile_stats()
   start = time.perf_counter()
   state = prefill(
@@ -153,9 +169,10 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
       reserve=max_new,
       key=key,
       progress=progress,
+      mesh=mesh,
   )
-  lengths = np.asarray(state.position)
-  held = np.asarray(state.cache.length)  # [L, B, H] after prefill
+  lengths = to_host(state.position)
+  held = to_host(state.cache.length)  # [L, B, H] after prefill
   # Per row: the share of its prompt's K/V entries (over layers and kv heads) still cached.
   kept = held.sum(axis=(0, 2)) / (held.shape[0] * held.shape[2] * np.maximum(lengths, 1))
   prefill_seconds = time.perf_counter() - start
@@ -167,7 +184,7 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
     streams = [TextStream(tokenizer) for _ in range(batch)]
     decode_seconds = 0.0
     for _ in range(max_new):
-      if bool(np.asarray(state.done).all()):
+      if bool(to_host(state.done).all()):
         break
       state, step = decode(model, state, 1, sampling=sampling, stop_tokens=stop_tokens, donate=True)
       decode_seconds += step.stats["decode_seconds"]
@@ -199,7 +216,8 @@ def _run(model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, s
           "generated_tokens": generated,
           "peak_kv_bytes": state.peak_kv_bytes(),
           "final_kv_bytes": cache.kv_bytes(),
-          "pool_bytes": int(cache.num_pages) * cache.page_bytes,
+          "pool_bytes": int(cache.num_pages) * num_shards(cache.mesh) * cache.page_bytes,
+          "mesh": None if cache.mesh is None else dict(cache.mesh.shape),
           "prefill_seconds": prefill_seconds,
           "decode_seconds": decode_seconds,
           "compile_seconds": compile_stats()["compile_seconds"] - compiled["compile_seconds"],

@@ -115,6 +115,11 @@ def save_state(
   """
   if not isinstance(state, State):
     raise TypeError(f"state must be a kvjax.State, got {type(state).__name__}")
+  if state.cache.mesh is not None:
+    raise ValueError(
+        "save_state: the state is sharded over a mesh, which kvjax does not save yet; "
+        "prefill without mesh= to save it"
+    )
   path = pathlib.Path(path).absolute()
   if path.exists():
     if not path.is_dir():

@@ -288,6 +288,13 @@ def rows(x, mesh: Mesh | None, spec=P(DATA)):
   sharding = NamedSharding(mesh, spec)
   if isinstance(x, jax.core.Tracer):
     return jax.lax.with_sharding_constraint(x, sharding)
+  if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) != mesh:
+    # An array of one device (e.g. a key made on the host) goes through the host: with
+    # several processes, no process may put another's array on the mesh.
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    x = np.asarray(x)
   return jax.device_put(x, sharding)
 
 

@@ -1,0 +1,86 @@
+"""Sharded generation vs one device, run in a process of its own (the device count is fixed
+when jax starts): `python tests/sharding_check.py DEVICES CASE...` prints one JSON line per
+case. A CASE is POLICY@MESH, e.g. h2o@data=2,model=2. tests/test_sharding.py runs it."""
+
+import json
+import os
+import pathlib
+import sys
+
+# The repository root, not tests/ (whose models/ would shadow the package).
+sys.path[0] = str(pathlib.Path(__file__).resolve().parent.parent)
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={sys.argv[1]}"
+)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvjax  # noqa: E402
+from kvjax import sharding  # noqa: E402
+from kvjax.testing import ByteTokenizer, tiny_llama  # noqa: E402
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog, twice over",
+    "hello world, this is a test of sharding",
+    "abc " * 16,
+    "zz top " * 8,
+]
+NEW_TOKENS = 8
+
+
+def spec_for(policy: str) -> kvjax.CompressionSpec:
+  if policy == "full":
+    return kvjax.CompressionSpec()
+  return kvjax.CompressionSpec(policy=policy, budget=24, page_size=8)
+
+
+def run(policy: str, mesh):
+  """Prefill, then two decodes (the second must compile nothing): tokens, logits, cache."""
+  model = tiny_llama(max_context=256, qk_scale=20)
+  state = kvjax.prefill(model, PROMPTS, spec_for(policy), tokenizer=ByteTokenizer(), mesh=mesh)
+  state, first = kvjax.decode(model, state, NEW_TOKENS, return_logits=True)
+  before = kvjax.compile_stats()["compiles"]
+  state, second = kvjax.decode(model, state, NEW_TOKENS, return_logits=True)
+  recompiles = kvjax.compile_stats()["compiles"] - before
+  logits = np.concatenate([np.asarray(first.logits), np.asarray(second.logits)], axis=1)
+  return state, first.tokens + second.tokens, logits, recompiles
+
+
+def main():
+  references = {}
+  for case in sys.argv[2:]:
+    policy, mesh = case.split("@")
+    if policy not in references:
+      references[policy] = run(policy, None)
+    ref_state, ref_tokens, ref_logits, _ = references[policy]
+    state, tokens, logits, recompiles = run(policy, mesh)
+    per_device = sharding.shard_bytes(state.cache)
+    unsharded = sum(x.nbytes for x in jax.tree.leaves(ref_state.cache))
+    print(
+        json.dumps(
+            {
+                "case": case,
+                "same_tokens": tokens == ref_tokens,
+                "max_logit_diff": float(np.abs(logits - ref_logits).max()),
+                "recompiles": recompiles,
+                "kv_bytes": [state.kv_bytes(), ref_state.kv_bytes()],
+                "devices": len(per_device),
+                "bytes_per_device": sorted(per_device.values()),
+                "unsharded_bytes": unsharded,
+                "pool_pages": [state.cache.num_pages, ref_state.cache.num_pages],
+                # One page of every pool array (K, V, slots): each shard has a null page.
+                "one_page_bytes": sum(
+                    x.nbytes // x.shape[0]
+                    for x in [ref_state.cache.k_pages, ref_state.cache.v_pages]
+                    + list(ref_state.cache.slots.values())
+                ),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+  main()

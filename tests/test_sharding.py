@@ -1,0 +1,190 @@
+"""The cache and the model sharded over a device mesh (kvjax.sharding).
+
+Meshes of several devices run in a subprocess with forced CPU devices
+(tests/sharding_check.py), so this process keeps its one device; a (1, 1) mesh runs the
+sharded code path here."""
+
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import sharding
+from kvjax.testing import ByteTokenizer, tiny_llama
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+POLICIES = ("full", "h2o", "kvzip")  # kvzip: the best query-agnostic policy
+MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
+CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+  """One subprocess with 4 CPU devices runs every (policy, mesh) case and its reference."""
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "sharding_check.py"), "4", *CASES],
+      capture_output=True,
+      text=True,
+      timeout=900,
+      cwd=ROOT,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  return {row["case"]: row for row in rows}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_generation_matches_one_device(sharded_runs, case):
+  run = sharded_runs[case]
+  assert run["same_tokens"], run
+  assert run["max_logit_diff"] <= 1e-5, run
+  assert run["kv_bytes"][0] == run["kv_bytes"][1]  # the same tokens kept, in total
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cache_bytes_per_device(sharded_runs, case):
+  """Measured from the arrays' shards: each device holds 1/N of the cache, plus its own
+  null page (and, for a context compressed once, the room the fullest shard needs)."""
+  run = sharded_runs[case]
+  n = int(np.prod([int(part.split("=")[1]) for part in case.split("@")[1].split(",")]))
+  per_device, whole = run["bytes_per_device"], run["unsharded_bytes"]
+  assert run["devices"] == n and len(set(per_device)) == 1
+  if case.startswith("kvzip"):
+    # Shards share one pool size: the largest need after the global ranking.
+    assert whole / n <= per_device[0] <= 1.05 * whole / n + run["one_page_bytes"]
+  else:
+    assert whole / n <= per_device[0] <= whole / n + run["one_page_bytes"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_recompilation_per_step(sharded_runs, case):
+  # The second decode of the same length runs the executable of the first.
+  assert sharded_runs[case]["recompiles"] == 0
+
+
+def test_one_device_mesh_runs_the_sharded_path():
+  """A (1, 1) mesh: the shard_map path on one device gives the unsharded tokens and logits,
+  and the state keeps its mesh through decode and extend."""
+  tokenizer = ByteTokenizer()
+  prompts = ["the quick brown fox jumps over the lazy dog", "hello sharded world"]
+  spec = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=8)
+  results = []
+  for mesh in (None, "data=1,model=1"):
+    model = tiny_llama(qk_scale=20)
+    state = kvjax.prefill(model, prompts, spec, tokenizer=tokenizer, mesh=mesh)
+    state, first = kvjax.decode(model, state, 6, return_logits=True)
+    state = kvjax.extend(model, state, ["and more", "!"], tokenizer=tokenizer)
+    state, second = kvjax.decode(model, state, 4)
+    results.append((first.tokens + second.tokens, np.asarray(first.logits), state))
+  (tokens, logits, plain), (tokens_m, logits_m, sharded) = results
+  assert tokens_m == tokens
+  np.testing.assert_allclose(logits_m, logits, atol=1e-5)
+  assert plain.cache.mesh is None and sharded.cache.mesh is not None
+  assert sharded.cache.k_pages.ndim == 4  # [G, P, S, D]: one pool per shard
+  assert sharded.kv_bytes() == plain.kv_bytes()
+
+
+def test_generate_reports_the_mesh():
+  result = kvjax.generate(
+      tiny_llama(), ByteTokenizer(), ["abc"], max_new_tokens=2, mesh="data=1,model=1"
+  )
+  assert result.stats["mesh"] == {"data": 1, "model": 1}
+
+
+@pytest.mark.parametrize(
+    "mesh, match",
+    [
+        ("data=2", "needs 2 devices; 1 cpu device"),
+        ("data=0", "ints >= 1"),
+        ("rows=2", r"mesh axes must be \('data', 'model'\)"),
+        ("data:2", "must look like 'data=2,model=2'"),
+        ((1, 1, 1), "jax Mesh, 'data=D,model=M'"),
+    ],
+)
+def test_bad_meshes(mesh, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.make_mesh(mesh)
+
+
+def test_uneven_splits_are_refused():
+  mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
+  with pytest.raises(ValueError, match="batch of 3 rows does not split over mesh axis data=2"):
+    sharding.check_mesh(mesh, batch=3, kv_heads=4)
+  with pytest.raises(ValueError, match="2 kv heads do not split over mesh axis model=4"):
+    sharding.check_mesh(mesh, batch=2, kv_heads=2)
+
+
+def test_unsupported_combinations_are_refused(tmp_path):
+  model, tokenizer = tiny_llama(), ByteTokenizer()
+  with pytest.raises(ValueError, match="expected_attention.*without a mesh"):
+    kvjax.prefill(
+        model,
+        ["abc"],
+        kvjax.CompressionSpec(policy="expected_attention", budget=16, page_size=8),
+        tokenizer=tokenizer,
+        mesh="data=1,model=1",
+    )
+  state = kvjax.prefill(model, ["abc"], tokenizer=tokenizer, mesh="data=1,model=1")
+  with pytest.raises(ValueError, match="sharded over a mesh"):
+    kvjax.save_state(tmp_path / "s", state, model)
+
+
+def test_blocks_round_trip():
+  """Host views per shard: shard g = (i, j) holds row block i and head block j."""
+  cache = types.SimpleNamespace(mesh=types.SimpleNamespace(shape={"data": 2, "model": 3}))
+  x = np.arange(4 * 6 * 9 * 2).reshape(4, 6, 9, 2)  # [L, B, H, M]
+  y = sharding.blocks(cache, x)
+  assert y.shape == (6, 4, 3, 3, 2)
+  np.testing.assert_array_equal(y[1 * 3 + 2], x[:, 3:6, 6:9])
+  np.testing.assert_array_equal(sharding.unblocks(cache, y), x)
+
+
+def test_llama_partition_rules():
+  model = tiny_llama()
+  assert model.partition(("layers", "0", "wq"), (32, 32)) == jax.sharding.PartitionSpec(
+      None, "model"
+  )
+  assert model.partition(("layers", "0", "wo"), (32, 32)) == jax.sharding.PartitionSpec(
+      "model", None
+  )
+  assert model.partition(("layers", "0", "attn_norm"), (32,)) is None
+  assert model.partition(("embed",), (259, 32)) is None
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one():
+  """jax.distributed on localhost: 2 processes x 2 CPU devices run one generation sharded
+  over a (2, 2) mesh; every process gets the tokens one device makes."""
+  out = subprocess.run(
+      [
+          sys.executable,
+          str(ROOT / "examples" / "multihost.py"),
+          "--local-processes",
+          "2",
+          "--port",
+          str(_free_port()),
+          "--mesh",
+          "data=2,model=2",
+          "--check",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=900,
+      cwd=ROOT,
+  )
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  agreed = [line for line in out.stdout.splitlines() if "agrees with one device" in line]
+  assert len(agreed) == 2, out.stdout
