@@ -30,7 +30,7 @@ from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, lowest, protection_mask
-from kvjax.sharding import all_heads, any_shard, my_heads
+from kvjax.sharding import all_heads, any_shard, my_block, my_heads
 from pallas_kernels import output_impact as output_impact_kernel
 
 
@@ -278,7 +278,9 @@ class Random(Policy):
   name: ClassVar[str] = "random"
 
   def scores(self, cache, key):
-    return jax.random.uniform(key, (*cache.length.shape, cache.config.max_tokens))
+    # On a sharded cache: this shard's block of the whole batch's draw (as one device draws).
+    shape = (*cache.length.shape, cache.config.max_tokens)
+    return my_block(lambda shape: jax.random.uniform(key, shape), shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -266,6 +266,19 @@ def my_heads(x: jax.Array, axis: int, local: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, local, axis)
 
 
+def my_block(make, local_shape: tuple[int, ...]) -> jax.Array:
+  """Inside `on_shards`: this shard's block of `make(global_shape)` for a per-sequence array
+  [L, b, h, ...] (e.g. random scores drawn for the whole batch, so that a mesh draws what
+  one device would); elsewhere `make(local_shape)`."""
+  if not inside():
+    return make(local_shape)
+  l, b, h, *rest = local_shape
+  data, model = jax.lax.axis_size(DATA), jax.lax.axis_size(MODEL)
+  full = make((l, b * data, h * model, *rest))
+  start = (0, jax.lax.axis_index(DATA) * b, jax.lax.axis_index(MODEL) * h) + (0,) * len(rest)
+  return jax.lax.dynamic_slice(full, start, local_shape)
+
+
 def any_shard(x: jax.Array) -> jax.Array:
   """Inside `on_shards`: whether x holds on any shard of the mesh (the same answer on all)."""
   if not inside():

@@ -144,7 +144,8 @@ class Llama(nnx.Module):
     check_params(config, params, "params", optional=("rope_freqs",))
     return cls(config, dtype=dtype, params=params)
 
-  def partition(self, path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+  @staticmethod
+  def partition(path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
     """How the parameter at `path` is laid out over a mesh axis "model" (the seam's optional
     sharding rules, read by `kvjax.sharding.shard_model`); None: replicated."""
     name = path[-1]

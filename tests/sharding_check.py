@@ -31,9 +31,11 @@ NEW_TOKENS = 8
 
 
 def spec_for(policy: str) -> kvjax.CompressionSpec:
+  """POLICY, or POLICY+SHARING (e.g. h2o+layer: AdaKV's budget shared across kv heads)."""
   if policy == "full":
     return kvjax.CompressionSpec()
-  return kvjax.CompressionSpec(policy=policy, budget=24, page_size=8)
+  name, _, sharing = policy.partition("+")
+  return kvjax.CompressionSpec(policy=name, budget=24, page_size=8, head_budget=sharing or None)
 
 
 def run(policy: str, mesh):

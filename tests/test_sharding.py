@@ -22,7 +22,8 @@ from kvjax.testing import ByteTokenizer, tiny_llama
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("full", "h2o", "kvzip")  # kvzip: the best query-agnostic policy
 MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
-CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES]
+# A budget shared across kv heads (AdaKV) ranks every head of a row: gathered over `model`.
+CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES] + ["snapkv+layer@data=1,model=2"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,130 @@
+"""Memory per device of a sharded cache and model, for shapes too large for this machine.
+
+Nothing runs on devices: the numbers come from kvjax's own sizing. `CompressionSpec.plan`
+sizes the pool as `kvjax.prefill` would, the pool of one shard is its share of the
+sequences (`kvjax.sharding`), and `jax.eval_shape` of `init_cache` for one shard's rows and
+kv heads gives the bytes of every array a device holds (pool, slots, its page-table block).
+Weights per device follow the Llama partition rules (`models.llama.Llama.partition`).
+
+    python -m kvjax.benchmarks.scaling            # the table of docs/scaling.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import jax
+
+from kvjax.cache import init_cache
+from kvjax.seam import ModelShape
+from kvjax.spec import CompressionSpec
+from models import ModelConfig
+from models.llama import Llama
+
+# Llama 3 shapes (8 kv heads: the model axis goes up to 8).
+MODELS = {
+    "Llama-3-8B": ModelConfig(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=14336,
+        max_context=131072,
+        name="llama-3-8b",
+        tie_embeddings=False,
+    ),
+    "Llama-3-70B": ModelConfig(
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=28672,
+        max_context=131072,
+        name="llama-3-70b",
+        tie_embeddings=False,
+    ),
+}
+MESHES = ((1, 8), (8, 8))  # (data, model): 8 and 64 devices
+CONTEXTS = (32768, 131072)
+BATCH = 8
+GiB = 2**30
+
+
+def cache_bytes_per_device(
+    config: ModelConfig, spec: CompressionSpec, *, batch, context, data, model, dtype="bfloat16"
+) -> int:
+  """Bytes of the cache arrays one device holds for `batch` rows of `context` tokens."""
+  shape = ModelShape(
+      config.n_layers, config.n_kv_heads, config.head_dim, config.vocab_size, context + 256, dtype
+  )
+  plan = spec.plan(shape, batch=batch, longest=context, reserve=256)
+  cfg = plan.config
+  if cfg.num_pages is not None:  # the plan's pool is the batch's: one shard holds its share
+    shards = data * model
+    cfg = dataclasses.replace(cfg, num_pages=-(-(cfg.num_pages - 1) // shards) + 1)
+  slots = () if plan.eviction is None else plan.eviction.policy.slots
+  one_shard = jax.eval_shape(
+      lambda: init_cache(
+          cfg,
+          config.n_layers,
+          batch // data,
+          config.n_kv_heads // model,
+          config.head_dim,
+          chunk=plan.chunk,
+          slots=slots,
+      )
+  )
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_shard))
+
+
+def weight_bytes_per_device(config: ModelConfig, model: int, dtype_bytes: int = 2) -> int:
+  """Parameter bytes on one device: split by the Llama rules over `model`, else whole."""
+  total = 0
+  for name, shape in config.param_shapes().items():
+    size = math.prod(shape)
+    spec = Llama.partition(tuple(name.split(".")), shape[::-1])  # [out, in] -> [in, out]
+    split = spec is not None and all(
+        n % model == 0 for axis, n in zip(spec, shape[::-1]) if axis is not None
+    )
+    total += size * dtype_bytes // (model if split else 1)
+  return total
+
+
+def table() -> str:
+  specs = {
+      "full": CompressionSpec(),
+      "h2o, budget 25%": CompressionSpec(policy="h2o", budget=0.25),
+  }
+  lines = [
+      f"| model | devices (data x model) | batch | context | cache | KV cache per device "
+      "| weights per device |",
+      "|---|---|---:|---:|---|---:|---:|",
+  ]
+  for name, config in MODELS.items():
+    for data, model in MESHES:
+      weights = weight_bytes_per_device(config, model)
+      for context in CONTEXTS:
+        for label, spec in specs.items():
+          kv = cache_bytes_per_device(
+              config, spec, batch=BATCH, context=context, data=data, model=model
+          )
+          lines.append(
+              f"| {name} | {data * model} ({data} x {model}) | {BATCH} | {context:,} | {label} "
+              f"| {kv / GiB:.2f} GiB | {weights / GiB:.2f} GiB |"
+          )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+  print(table())
+
+
+if __name__ == "__main__":
+  main()
