@@ -102,7 +102,7 @@ def table() -> str:
       "h2o, budget 25%": CompressionSpec(policy="h2o", budget=0.25),
   }
   lines = [
-      f"| model | devices (data x model) | batch | context | cache | KV cache per device "
+      "| model | devices (data x model) | batch | context | cache | KV cache per device "
       "| weights per device |",
       "|---|---|---:|---:|---|---:|---:|",
   ]
