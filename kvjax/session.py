@@ -445,6 +445,7 @@ def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False
   compression; a row given no tokens (`[]`) is left as it is. Text is encoded as it is (no
   chat template: give the template's tokens yourself for a new chat turn)."""
   _check_state(state)
+  _check_placement(model, state.cache.mesh)
   shape = ModelShape.of(model)
   encoded = encode_prompts(
       tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True
@@ -489,6 +490,7 @@ def decode(
   a `DecodeResult`.
   """
   _check_state(state)
+  _check_placement(model, state.cache.mesh)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
   if not isinstance(sampling, Sampling):
@@ -590,6 +592,8 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
   most_protected = max(sum(row) for row in encoded.protected)
   plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve, protected=most_protected)
   policy = _policy(plan)
+  slots = () if policy is None else policy.slots
+  dims = (shape.n_layers, batch, shape.n_kv_heads, shape.head_dim)
   mesh = shards.make_mesh(mesh)
   if mesh is not None:
     shards.check_mesh(mesh, batch=batch, kv_heads=shape.n_kv_heads)
@@ -598,38 +602,16 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
       raise ValueError("a learned head allocation is not sharded yet: run it without a mesh")
     if shards.model_mesh(model) != mesh:
       shards.shard_model(model, mesh)
-    # The plan's pool is the whole batch's; each shard holds its share of the sequences.
-    cfg = plan.config
-    if cfg.num_pages is not None:
-      per_shard = -(-(cfg.num_pages - 1) // shards.num_shards(mesh)) + 1
-      plan = dataclasses.replace(plan, config=dataclasses.replace(cfg, num_pages=per_shard))
-    cache = shards.sharded_cache(
-        plan.config,
-        mesh,
-        shape.n_layers,
-        batch,
-        shape.n_kv_heads,
-        shape.head_dim,
-        chunk=plan.chunk,
-        slots=() if policy is None else policy.slots,
-    )
-    plan = dataclasses.replace(plan, config=cache.config)
+    plan = dataclasses.replace(plan, config=shards.shard_config(plan.config, mesh))
+    cache = shards.sharded_cache(plan.config, mesh, *dims, chunk=plan.chunk, slots=slots)
   else:
+    _check_placement(model, None)
     extra = {}
     if policy is not None and policy.keeps_extra:  # only then: Hq costs an abstract model call
       extra = policy.init_extra(
           shape.n_layers, batch, shape.n_kv_heads, query_heads(model), shape.head_dim
       )
-    cache = init_cache(
-        plan.config,
-        shape.n_layers,
-        batch,
-        shape.n_kv_heads,
-        shape.head_dim,
-        chunk=plan.chunk,
-        slots=() if policy is None else policy.slots,
-        extra=extra,
-    )
+    cache = init_cache(plan.config, *dims, chunk=plan.chunk, slots=slots, extra=extra)
   # Host-made arrays: device transfers, no eager op to compile on a first call. The
   # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
   state = State(
@@ -653,6 +635,18 @@ def _copy(tree):
     return jnp.copy(x)
 
   return jax.tree.map(copy, tree)
+
+
+def _check_placement(model, mesh) -> None:
+  """ValueError when the model's weights live on another mesh than the state's cache."""
+  placed = shards.model_mesh(model)
+  if placed != mesh:
+    where = "one device" if mesh is None else f"the mesh {dict(mesh.shape)}"
+    there = "one device" if placed is None else f"the mesh {dict(placed.shape)}"
+    raise ValueError(
+        f"the model's weights are on {there} and the state's cache on {where}: prefill "
+        "with the model's mesh (mesh=), or load the model again for one device"
+    )
 
 
 def _check_state(state):

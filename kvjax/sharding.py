@@ -29,6 +29,7 @@ projection and one after the MLP per layer, with the Llama rules).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import re
 
 import jax
@@ -142,6 +143,15 @@ def check_policy(policy) -> None:
         f"policy {policy.name!r} keeps state that is not per token (`Policy.init_extra`), "
         "which kvjax does not shard yet: run it without a mesh"
     )
+
+
+def shard_config(config, mesh: Mesh):
+  """A plan's `CacheConfig` for one shard: a pool sized for the whole batch (`num_pages`)
+  becomes each shard's share of the sequences plus its own null page."""
+  if config.num_pages is None:  # sized by `init_cache` from the shard's own sequences
+    return config
+  share = -(-(config.num_pages - 1) // num_shards(mesh)) + 1
+  return dataclasses.replace(config, num_pages=share)
 
 
 def sharded_cache(config, mesh: Mesh, num_layers, batch, kv_heads, head_dim, **kwargs):

@@ -12,13 +12,14 @@ Weights per device follow the Llama partition rules (`models.llama.Llama.partiti
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
+import types
 
 import jax
 
 from kvjax.cache import init_cache
 from kvjax.seam import ModelShape
+from kvjax.sharding import shard_config
 from kvjax.spec import CompressionSpec
 from models import ModelConfig
 from models.llama import Llama
@@ -64,10 +65,8 @@ def cache_bytes_per_device(
       config.n_layers, config.n_kv_heads, config.head_dim, config.vocab_size, context + 256, dtype
   )
   plan = spec.plan(shape, batch=batch, longest=context, reserve=256)
-  cfg = plan.config
-  if cfg.num_pages is not None:  # the plan's pool is the batch's: one shard holds its share
-    shards = data * model
-    cfg = dataclasses.replace(cfg, num_pages=-(-(cfg.num_pages - 1) // shards) + 1)
+  # The plan's pool is the batch's: one shard holds its share (a mesh's shape is enough).
+  cfg = shard_config(plan.config, types.SimpleNamespace(shape={"data": data, "model": model}))
   slots = () if plan.eviction is None else plan.eviction.policy.slots
   one_shard = jax.eval_shape(
       lambda: init_cache(
