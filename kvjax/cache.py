@@ -188,6 +188,17 @@ class PagedKVCache:
     return int(self.pages_in_use().sum()) * self.page_bytes
 
 
+def one_device(cache: PagedKVCache, what: str) -> None:
+  """ValueError when `cache` is sharded over a mesh: `what` reads one pool's page ids. A
+  sharded cache goes through the session API, or per shard (`kvjax.sharding.on_shards`,
+  inside which each shard's cache is a one-device cache)."""
+  if cache.mesh is not None:
+    raise ValueError(
+        f"{what} takes a cache on one device (or one shard's, inside "
+        "kvjax.sharding.on_shards); this cache is sharded over a mesh"
+    )
+
+
 def _check_int(name, value, minimum=1):
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -323,6 +334,7 @@ def append_layer(
   sequence would pass `max_tokens`, nothing is written for this layer and the cache's
   status records why (see `check_status`).
   """
+  one_device(cache, "append_layer")
   k, v, positions, num_new, protected, segment = _validate_append(
       cache, k, v, positions, num_new, protected, segment, layer_axis=False
   )
@@ -457,6 +469,7 @@ def _validate_append(cache, k, v, positions, num_new, protected, segment, *, lay
 
 def logical_view(cache: PagedKVCache, x: Array, layer=None) -> Array:
   """Gathers a per-slot array ([P, S, ...]) into logical order: [(L,) B, H, M * S, ...]."""
+  one_device(cache, "logical_view")
   table = cache.page_table if layer is None else cache.page_table[layer]
   gathered = x[table]  # [..., M, S, ...]
   lead = table.shape
@@ -471,6 +484,7 @@ def valid_mask(cache: PagedKVCache, layer=None) -> Bool[Array, "..."]:
 
 def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
   """Host-side: the live (k [n, D], v [n, D], positions [n]) of one sequence, in order."""
+  one_device(cache, "read_sequence")
   check_status(cache)
   for name, value, size in (
       ("layer", layer, cache.num_layers),
@@ -488,6 +502,7 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
 def live_pages(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
   """Host-side: the mask of page-table entries sequences own [L, B, H, M], and the physical
   pages of those entries in table order (each live page once: no page is shared)."""
+  one_device(cache, "live_pages")
   table, length = np.asarray(cache.page_table), np.asarray(cache.length)
   owned = np.arange(table.shape[-1]) < (-(-length // cache.config.page_size))[..., None]
   return owned, table[owned]

@@ -605,6 +605,48 @@ def _ask(args) -> int:
   return 0
 
 
+def _doctor(args) -> int:
+  """Prints what this machine offers kvjax and runs the self-check; 1 if a check fails."""
+  import json
+
+  from kvjax import doctor
+
+  report = doctor.report()
+  if not args.json:
+    for key, value in report.items():
+      if isinstance(value, dict):
+        print(f"{key}:")
+        for name, item in value.items():
+          text = f"{item['runs']} ({item['why']})" if isinstance(item, dict) else item
+          print(f"  {name}: {text}")
+      else:
+        print(f"{key}: {value}")
+  checks = []
+  if not args.no_self_check:
+    if not args.json:
+      print(
+          "self-check (a tiny random model; where impl='auto' runs the reference, that is what it checks):"
+      )
+
+    def show(check):
+      if not args.json:
+        mark = "ok  " if check.ok else "FAIL"
+        print(f"  {mark} {check.name} ({check.seconds:.1f} s): {check.detail}", flush=True)
+
+    checks = doctor.self_check(progress=show)
+  failed = [c.name for c in checks if not c.ok]
+  if args.json:
+    report["self_check"] = [dataclasses.asdict(c) for c in checks]
+    print(json.dumps(report))
+  elif checks:
+    seconds = sum(c.seconds for c in checks)
+    print(
+        f"self-check: {len(checks) - len(failed)} of {len(checks)} passed in {seconds:.0f} s"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+  return EXIT_FAILED if failed else 0
+
+
 def _tune(args) -> int:
   """Chooses the compression for a workload sample and writes a tuned spec (tuned.json,
   the learned allocation, front.png) into --out."""
@@ -848,6 +890,14 @@ def build_parser() -> argparse.ArgumentParser:
   tuner.add_argument("--steps", type=int, default=40, help="optax steps of the allocation")
   tuner.add_argument("--quiet", action="store_true", help="no progress lines")
   tuner.set_defaults(func=_tune)
+  doctor = sub.add_parser(
+      "doctor", help="backend, devices, versions, the implementation impl='auto' runs; a self-check"
+  )
+  doctor.add_argument("--json", action="store_true", help="print one JSON object")
+  doctor.add_argument(
+      "--no-self-check", action="store_true", help="the report only (no ~20 s self-check)"
+  )
+  doctor.set_defaults(func=_doctor)
   return parser
 
 

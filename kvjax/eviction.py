@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, valid_mask
+from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, one_device, valid_mask
 from pallas_kernels.group_importance import group_importance
 
 
 def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
   """Slots eviction must not touch: sink, recent window, caller-marked and empty slots."""
+  one_device(cache, "protection_mask")
   cfg = cache.config
   idx = jnp.arange(cfg.max_tokens)
   length = cache.length[..., None]
@@ -90,6 +91,7 @@ def evict(
       `budget + (config.threshold - config.budget)`.
     impl: the group-importance kernel ("auto", "pallas" or "ref").
   """
+  one_device(cache, "evict")
   cfg = cache.config
   if not cfg.evicts:
     return cache
@@ -204,6 +206,7 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
 def truncate(cache: PagedKVCache, length: Int[Array, "L B H"]) -> PagedKVCache:
   """Drops every token of each sequence past `length` (e.g. a scratch continuation that
   scored the context): their pages go back to the pool, their slots are cleared."""
+  one_device(cache, "truncate")
   ps, m = cache.config.page_size, cache.config.max_pages
   length = jnp.minimum(jnp.asarray(length, jnp.int32), cache.length)
   idx = jnp.arange(cache.config.max_tokens)

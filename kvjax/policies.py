@@ -30,7 +30,7 @@ from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
 from kvjax.eviction import evict, lowest, protection_mask
-from kvjax.sharding import all_heads, any_shard, my_block, my_heads
+from kvjax.sharding import all_heads, any_shard, my_heads, shard_key
 from pallas_kernels import output_impact as output_impact_kernel
 
 
@@ -278,9 +278,10 @@ class Random(Policy):
   name: ClassVar[str] = "random"
 
   def scores(self, cache, key):
-    # On a sharded cache: this shard's block of the whole batch's draw (as one device draws).
-    shape = (*cache.length.shape, cache.config.max_tokens)
-    return my_block(lambda shape: jax.random.uniform(key, shape), shape)
+    # On a sharded cache each shard draws its own (drawing the whole batch's on every device
+    # to keep a block would cost [L, B, H, N] per device), so a mesh evicts other tokens
+    # than one device: equally random.
+    return jax.random.uniform(shard_key(key), (*cache.length.shape, cache.config.max_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +440,9 @@ class Learned(Policy):
     self.scorer.check_model(model)
 
   def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new):
-    return write_new_tokens(cache, "score", layer, self.scorer.predict(hidden_in, layer), num_new)
+    predicted = self.scorer.predict(hidden_in, layer)  # [B, T, H]: every kv head's score
+    predicted = my_heads(predicted, axis=2, local=cache.num_kv_heads)  # a shard's own heads
+    return write_new_tokens(cache, "score", layer, predicted, num_new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -726,6 +729,8 @@ class EvictionPlan:
       limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
       return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)
 
-    # On a sharded cache every shard takes the same branch: one device evicts every
-    # sequence once any of them passes its threshold, and so does the mesh.
-    return jax.lax.cond(any_shard(needs.any()), run, lambda c: c, cache)
+    # Only sequences past their threshold shrink, so a shard may decide alone; but a budget
+    # shared across heads gathers them in `run` (a collective), which every shard must
+    # then enter together.
+    trigger = any_shard(needs.any()) if self.per_head else needs.any()
+    return jax.lax.cond(trigger, run, lambda c: c, cache)

@@ -152,7 +152,7 @@ def forward(
         probs = probs.reshape(q.shape[0], cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
       lse = lse[0] if lse else None
       stats = AttentionStats(
-          jnp.asarray(layer),
+          layer if cache.mesh is None else jnp.asarray(layer),
           q,
           out,
           probs,
@@ -182,7 +182,7 @@ def forward(
         num_new,
         protected,
         segment,
-        jnp.asarray(layer),
+        layer if cache.mesh is None else jnp.asarray(layer),
         specs=(heads, heads, heads, row, P(DATA), row, row, P()),
         out_specs=heads,
     )
@@ -195,7 +195,7 @@ def forward(
       return on_shards(
           lambda c, layer, h_in, h_out, n: policy.observe_layer(c, layer, h_in, h_out, n),
           cache,
-          jnp.asarray(layer),
+          layer if cache.mesh is None else jnp.asarray(layer),
           h_in,
           h_out,
           num_new,

@@ -445,7 +445,8 @@ def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False
   compression; a row given no tokens (`[]`) is left as it is. Text is encoded as it is (no
   chat template: give the template's tokens yourself for a new chat turn)."""
   _check_state(state)
-  _check_placement(model, state.cache.mesh)
+  if state.cache.mesh is not None:
+    _check_placement(model, state.cache.mesh)
   shape = ModelShape.of(model)
   encoded = encode_prompts(
       tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True
@@ -490,7 +491,8 @@ def decode(
   a `DecodeResult`.
   """
   _check_state(state)
-  _check_placement(model, state.cache.mesh)
+  if state.cache.mesh is not None:
+    _check_placement(model, state.cache.mesh)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
   if not isinstance(sampling, Sampling):
@@ -602,7 +604,10 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
       raise ValueError("a learned head allocation is not sharded yet: run it without a mesh")
     if shards.model_mesh(model) != mesh:
       shards.shard_model(model, mesh)
-    plan = dataclasses.replace(plan, config=shards.shard_config(plan.config, mesh))
+    shares_heads = plan.eviction is not None and plan.eviction.per_head
+    plan = dataclasses.replace(
+        plan, config=shards.shard_config(plan.config, mesh, shares_heads=shares_heads)
+    )
     cache = shards.sharded_cache(plan.config, mesh, *dims, chunk=plan.chunk, slots=slots)
   else:
     _check_placement(model, None)
@@ -638,8 +643,11 @@ def _copy(tree):
 
 
 def _check_placement(model, mesh) -> None:
-  """ValueError when the model's weights live on another mesh than the state's cache."""
+  """ValueError when the model's weights live on another mesh than the cache (a cache of
+  one device with weights spread over several, or a sharded one on another mesh)."""
   placed = shards.model_mesh(model)
+  if placed is not None and mesh is None and placed.size == 1:
+    return  # weights on one device's mesh serve a one-device cache
   if placed != mesh:
     where = "one device" if mesh is None else f"the mesh {dict(mesh.shape)}"
     there = "one device" if placed is None else f"the mesh {dict(placed.shape)}"
@@ -722,7 +730,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
   num_free = np.atleast_1d(shards.to_host(cache.pages.num_free))  # [G]
   held = -(-length // ps)
-  per_shard_sum = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
+  shard_total = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
   eviction = state.plan.eviction
   if eviction is not None:
     # Eviction holds a sequence at its budget (x heads when they share it) + one page of
@@ -732,12 +740,12 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     margin = ps + state.plan.chunk
     peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + margin
     target = np.minimum(length + more, np.maximum(peak, length + margin))
-    needed = per_shard_sum(np.maximum(-(-target // ps) - held, 0))
+    needed = shard_total(np.maximum(-(-target // ps) - held, 0))
     capacity = max(cfg.max_tokens, -(-int(target.max()) // ps) * ps)
     if (needed <= num_free).all() and capacity == cfg.max_tokens:
       return state
     return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
-  needed = per_shard_sum(-(-(length + more) // ps) - held)
+  needed = shard_total(-(-(length + more) // ps) - held)
   capacity = cfg.max_tokens
   if int(length.max()) + more <= capacity and (needed <= num_free).all():
     return state
@@ -746,7 +754,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   top = math.ceil(shape.max_context / ps) * ps
   if int(length.max()) + more > capacity:
     capacity = min(capacity_bucket(int(length.max()) + room, ps, shape.max_context), top)
-  needed = per_shard_sum(-(-np.minimum(length + room, capacity) // ps) - held)
+  needed = shard_total(-(-np.minimum(length + room, capacity) // ps) - held)
   return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
 
 
@@ -757,10 +765,11 @@ def _grow(state: State, capacity: int, extra: int) -> State:
   num_free = np.atleast_1d(shards.to_host(cache.pages.num_free))  # [G]
   p = cache.num_pages
 
+  axis = 0 if cache.mesh is None else 1  # the pool axis ([G, P, ...] when sharded)
+
   def pad(x, value):  # `extra` pages of `value` after every shard's pool
-    y = shards.per_shard(cache, x)
-    more = jnp.full((y.shape[0], extra, *y.shape[2:]), value, x.dtype)
-    return shards.from_per_shard(cache, jnp.concatenate([y, more], axis=1))
+    more = jnp.full((*x.shape[:axis], extra, *x.shape[axis + 1 :]), value, x.dtype)
+    return jnp.concatenate([x, more], axis=axis)
 
   old_free = shards.per_shard(cache, shards.to_host(cache.pages.free_pages))  # [G, P]
   free = np.zeros((len(num_free), p + extra), np.int32)
@@ -921,13 +930,16 @@ def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:
     gather[g, 1 : 1 + live[g]] = table[g][owned[g]]
     packed[g] = packed_table(owned[g])
     free[g] = free_stack(num_pages, live[g])
-  used = jnp.asarray(np.arange(num_pages) <= live[:, None])  # [G, num_pages]
-  gather = jnp.asarray(gather)
+  used = np.arange(num_pages) <= live[:, None]  # [G, num_pages]
 
   def compact(x, empty):
-    kept = jax.vmap(lambda pool, ids: pool[ids])(shards.per_shard(cache, x), gather)
-    mask = used.reshape(*used.shape, *([1] * (kept.ndim - 2)))
-    return shards.from_per_shard(cache, jnp.where(mask, kept, jnp.asarray(empty, x.dtype)))
+    if cache.mesh is None:  # one pool: its live pages, then fresh free pages
+      kept = x[jnp.asarray(gather[0, : 1 + live[0]])]
+      fresh = jnp.full((num_pages - 1 - live[0], *x.shape[1:]), empty, x.dtype)
+      return jnp.concatenate([kept, fresh])
+    kept = jax.vmap(lambda pool, ids: pool[ids])(x, jnp.asarray(gather))
+    mask = jnp.asarray(used.reshape(*used.shape, *([1] * (kept.ndim - 2))))
+    return jnp.where(mask, kept, jnp.asarray(empty, x.dtype))
 
   compacted = cache.replace(
       k_pages=compact(cache.k_pages, 0),

@@ -87,15 +87,20 @@ def make_mesh(mesh) -> Mesh | None:
         f"{len(devices)} {devices[0].platform} device(s) are visible (on a CPU, "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
     )
-  grid = np.asarray(devices[: data * model]).reshape(data, model)
-  return Mesh(grid, SHARDS, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # jax.make_mesh lays `model` (the chattier axis) on neighbouring devices.
+  return jax.make_mesh(
+      (data, model),
+      SHARDS,
+      axis_types=(jax.sharding.AxisType.Auto,) * 2,
+      devices=devices[: data * model],
+  )
 
 
 def num_shards(mesh: Mesh | None) -> int:
   return 1 if mesh is None else mesh.shape[DATA] * mesh.shape[MODEL]
 
 
-def check_mesh(mesh: Mesh, *, batch: int, kv_heads: int, query_heads: int | None = None):
+def check_mesh(mesh: Mesh, *, batch: int, kv_heads: int):
   """ValueError when the batch or the heads do not split evenly over the mesh."""
   data, model = mesh.shape[DATA], mesh.shape[MODEL]
   if batch % data:
@@ -107,10 +112,6 @@ def check_mesh(mesh: Mesh, *, batch: int, kv_heads: int, query_heads: int | None
     raise ValueError(
         f"the model's {kv_heads} kv heads do not split over mesh axis model={model}: use a "
         f"model axis that divides {kv_heads}"
-    )
-  if query_heads is not None and query_heads % model:
-    raise ValueError(
-        f"the model's {query_heads} query heads do not split over mesh axis model={model}"
     )
 
 
@@ -145,12 +146,15 @@ def check_policy(policy) -> None:
     )
 
 
-def shard_config(config, mesh: Mesh):
+def shard_config(config, mesh: Mesh, *, shares_heads: bool = False):
   """A plan's `CacheConfig` for one shard: a pool sized for the whole batch (`num_pages`)
-  becomes each shard's share of the sequences plus its own null page."""
+  becomes each shard's share of the sequences plus its own null page. A budget shared
+  across kv heads (`shares_heads`) may give one shard's heads most of a row's tokens, so
+  each shard then holds its rows' whole pool (split over `data` only)."""
   if config.num_pages is None:  # sized by `init_cache` from the shard's own sequences
     return config
-  share = -(-(config.num_pages - 1) // num_shards(mesh)) + 1
+  split = mesh.shape[DATA] if shares_heads else num_shards(mesh)
+  share = -(-(config.num_pages - 1) // split) + 1
   return dataclasses.replace(config, num_pages=share)
 
 
@@ -276,17 +280,12 @@ def my_heads(x: jax.Array, axis: int, local: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, local, axis)
 
 
-def my_block(make, local_shape: tuple[int, ...]) -> jax.Array:
-  """Inside `on_shards`: this shard's block of `make(global_shape)` for a per-sequence array
-  [L, b, h, ...] (e.g. random scores drawn for the whole batch, so that a mesh draws what
-  one device would); elsewhere `make(local_shape)`."""
+def shard_key(key: jax.Array) -> jax.Array:
+  """Inside `on_shards`: a random key of this shard's own (folded with its index)."""
   if not inside():
-    return make(local_shape)
-  l, b, h, *rest = local_shape
-  data, model = jax.lax.axis_size(DATA), jax.lax.axis_size(MODEL)
-  full = make((l, b * data, h * model, *rest))
-  start = (0, jax.lax.axis_index(DATA) * b, jax.lax.axis_index(MODEL) * h) + (0,) * len(rest)
-  return jax.lax.dynamic_slice(full, start, local_shape)
+    return key
+  index = jax.lax.axis_index(DATA) * jax.lax.axis_size(MODEL) + jax.lax.axis_index(MODEL)
+  return jax.random.fold_in(key, index)
 
 
 def any_shard(x: jax.Array) -> jax.Array:

@@ -14,7 +14,33 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
     each a real page, and the rest of its table points at the null page;
   - no physical page is owned twice, and owned + free = every page but the null page;
   - free pages carry no per-slot state (every declared slot is at its empty value).
+
+  A cache sharded over a mesh is checked shard by shard (each pool with its table block).
   """
+  if cache.mesh is not None:
+    from kvjax import sharding
+
+    host = lambda x: sharding.to_host(x)  # noqa: E731
+    table = sharding.blocks(cache, host(cache.page_table))
+    length = sharding.blocks(cache, host(cache.length))
+    for g in range(len(table)):
+      pool = lambda x: host(x)[g]  # noqa: E731
+      assert_cache_invariants(
+          cache.replace(
+              k_pages=pool(cache.k_pages),
+              v_pages=pool(cache.v_pages),
+              slots={name: pool(x) for name, x in cache.slots.items()},
+              pages=cache.pages.replace(
+                  table=table[g],
+                  length=length[g],
+                  free_pages=pool(cache.pages.free_pages),
+                  num_free=pool(cache.pages.num_free),
+                  status=pool(cache.pages.status),
+              ),
+              mesh=None,
+          )
+      )
+    return
   cfg = cache.config
   table = np.asarray(cache.page_table)
   length = np.asarray(cache.length)

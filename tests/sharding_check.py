@@ -18,8 +18,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
+from kvjax import policies  # noqa: E402
+from kvjax.scorer import Scorer  # noqa: E402
+from kvjax.seam import model_fingerprint  # noqa: E402
 from kvjax import sharding  # noqa: E402
-from kvjax.testing import ByteTokenizer, tiny_llama  # noqa: E402
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama  # noqa: E402
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog, twice over",
@@ -31,23 +34,35 @@ NEW_TOKENS = 8
 
 
 def spec_for(policy: str) -> kvjax.CompressionSpec:
-  """POLICY, or POLICY+SHARING (e.g. h2o+layer: AdaKV's budget shared across kv heads)."""
+  """POLICY, or POLICY+SHARING (e.g. h2o+layer: AdaKV's budget shared across kv heads).
+  16-token prefill chunks: a prompt takes several chunks, evicting between them."""
   if policy == "full":
-    return kvjax.CompressionSpec()
+    return kvjax.CompressionSpec(prefill_chunk=16)
   name, _, sharing = policy.partition("+")
-  return kvjax.CompressionSpec(policy=name, budget=24, page_size=8, head_budget=sharing or None)
+  if name == "learned":  # a random scorer made for the tiny model
+    rng = np.random.default_rng(0)
+    model = tiny_llama(max_context=256, qk_scale=20)
+    scorer = Scorer(
+        rng.normal(size=(2, 32, 2)), rng.normal(size=(2, 2)), "tiny", model_fingerprint(model)
+    )
+    name = policies.Learned(scorer=scorer)
+  return kvjax.CompressionSpec(
+      policy=name, budget=24, page_size=8, head_budget=sharing or None, prefill_chunk=16
+  )
 
 
 def run(policy: str, mesh):
   """Prefill, then two decodes (the second must compile nothing): tokens, logits, cache."""
   model = tiny_llama(max_context=256, qk_scale=20)
+  before = kvjax.compile_stats()["compiles"]
   state = kvjax.prefill(model, PROMPTS, spec_for(policy), tokenizer=ByteTokenizer(), mesh=mesh)
   state, first = kvjax.decode(model, state, NEW_TOKENS, return_logits=True)
-  before = kvjax.compile_stats()["compiles"]
+  compiles = kvjax.compile_stats()["compiles"] - before
   state, second = kvjax.decode(model, state, NEW_TOKENS, return_logits=True)
-  recompiles = kvjax.compile_stats()["compiles"] - before
   logits = np.concatenate([np.asarray(first.logits), np.asarray(second.logits)], axis=1)
-  return state, first.tokens + second.tokens, logits, recompiles
+  counts = {"first": compiles, "first_decode": first.stats["compiles"]}
+  counts["second_decode"] = second.stats["compiles"]
+  return state, first.tokens + second.tokens, logits, counts
 
 
 def main():
@@ -56,8 +71,9 @@ def main():
     policy, mesh = case.split("@")
     if policy not in references:
       references[policy] = run(policy, None)
-    ref_state, ref_tokens, ref_logits, _ = references[policy]
-    state, tokens, logits, recompiles = run(policy, mesh)
+    ref_state, ref_tokens, ref_logits, ref_counts = references[policy]
+    state, tokens, logits, counts = run(policy, mesh)
+    assert_cache_invariants(state.cache)  # every shard's pool and table block
     per_device = sharding.shard_bytes(state.cache)
     unsharded = sum(x.nbytes for x in jax.tree.leaves(ref_state.cache))
     print(
@@ -66,7 +82,10 @@ def main():
                 "case": case,
                 "same_tokens": tokens == ref_tokens,
                 "max_logit_diff": float(np.abs(logits - ref_logits).max()),
-                "recompiles": recompiles,
+                # kvjax's compiled steps: prefill (several chunks) + first decode, the
+                # decode loop alone, and a second decode of the same length.
+                "compiles": counts,
+                "one_device_compiles": ref_counts,
                 "kv_bytes": [state.kv_bytes(), ref_state.kv_bytes()],
                 "devices": len(per_device),
                 "bytes_per_device": sorted(per_device.values()),
