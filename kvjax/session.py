@@ -182,10 +182,23 @@ def _compiled(fn, statics: dict, *args):
 
 
 def _mesh_sharding(x):
-  """The sharding of an array laid out over a mesh (an executable compiled for one refuses
-  another); None on one device, where arguments move freely."""
+  """The layout of an array over a mesh (an executable compiled for one refuses another),
+  with axes of size 1 left out (P(None, 'data', 'model') on a mesh with model=1 is the same
+  layout as P(None, 'data')); None on one device, where arguments move freely."""
   sharding = getattr(x, "sharding", None)
-  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  mesh = sharding.mesh
+
+  def used(entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n is not None and mesh.shape[n] > 1)
+    return kept or None
+
+  spec = [used(entry) for entry in sharding.spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return mesh, tuple(spec)
 
 
 def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:
