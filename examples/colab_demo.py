@@ -53,7 +53,7 @@ BUDGET = 0.25  # the share of a context's tokens a compressed cache keeps
 POLICIES = ["h2o", "kvzip"] if SMALL else ["streaming", "h2o", "snapkv", "kvzip"]
 BUDGETS = [0.5, 0.25]
 WINDOWS = 2 if SMALL else 6  # text windows per quality measurement
-CONTEXT = 384 if SMALL else 2048  # tokens of a quality window and of the question document
+CONTEXT = 256 if SMALL else 2048  # tokens of a quality window and of the question document
 print(f"backend {jax.default_backend()}; SMALL = {SMALL}")
 
 # %% [markdown]

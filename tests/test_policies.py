@@ -22,6 +22,15 @@ EVICTING = [name for name in policies.POLICIES if name != "full"]
 STREAMING = [name for name in EVICTING if not policies.POLICIES[name].query_agnostic]
 # `learned` scores a model only with a scorer trained for it (tests/test_learned.py).
 ANY_MODEL = [name for name in EVICTING if name != "learned"]
+# Through the model, by default one policy per way of scoring (attention history, a window,
+# no attention, the lse path, reconstruction, query statistics); the rest are slow. Every
+# policy also runs through the model in `kvjax doctor`'s self-check (the notebook test) and
+# through hand-made caches here.
+MODEL_DEFAULT = {"h2o", "snapkv", "knorm", "output_impact", "kvzip", "expected_attention"}
+
+
+def _by_model(names):
+  return [n if n in MODEL_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -471,7 +480,7 @@ def _all_kept(cache):
   return {(i, j, k): _kept(cache, k, i, j) for i in range(l) for j in range(b) for k in range(h)}
 
 
-@pytest.mark.parametrize("name", ANY_MODEL)
+@pytest.mark.parametrize("name", _by_model(ANY_MODEL))
 def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
   model, tokenizer = tiny
   plan, cache, _ = _prefill(model, tokenizer, [PROMPT], name, BUDGET)
@@ -498,7 +507,7 @@ def _peak_bound(layers, batch, heads, budget, page, chunk, bytes_per_token):
   return layers * batch * heads * math.ceil((budget + page + chunk) / page) * page * bytes_per_token
 
 
-@pytest.mark.parametrize("name", STREAMING)
+@pytest.mark.parametrize("name", _by_model(STREAMING))
 def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
   model, tokenizer = tiny
   c = model.config
