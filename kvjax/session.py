@@ -156,7 +156,8 @@ def _compiled(fn, statics: dict, *args):
       fn,
       tuple(statics.items()),
       treedef,
-      tuple((jnp.shape(x), jnp.result_type(x), _mesh_sharding(x)) for x in leaves),
+      # An executable compiled for one layout over a mesh refuses another.
+      tuple((jnp.shape(x), jnp.result_type(x), shards.layout_key(x)) for x in leaves),
   )
   if key in _COMPILED:
     _COMPILED.move_to_end(key)
@@ -179,26 +180,6 @@ def _compiled(fn, statics: dict, *args):
       jax.clear_caches()
       gc.collect()
   return compiled
-
-
-def _mesh_sharding(x):
-  """The layout of an array over a mesh (an executable compiled for one refuses another),
-  with axes of size 1 left out (P(None, 'data', 'model') on a mesh with model=1 is the same
-  layout as P(None, 'data')); None on one device, where arguments move freely."""
-  sharding = getattr(x, "sharding", None)
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    return None
-  mesh = sharding.mesh
-
-  def used(entry):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n is not None and mesh.shape[n] > 1)
-    return kept or None
-
-  spec = [used(entry) for entry in sharding.spec]
-  while spec and spec[-1] is None:
-    spec.pop()
-  return mesh, tuple(spec)
 
 
 def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:

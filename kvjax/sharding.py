@@ -324,6 +324,26 @@ def replicated(x, mesh: Mesh | None):
   return rows(x, mesh, P())
 
 
+def layout_key(x):
+  """How an array is laid out over a mesh, as a hashable key with axes of size 1 left out
+  (P(None, 'data', 'model') on a mesh with model=1 is the same layout as P(None, 'data'));
+  None for an array not on a mesh."""
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  mesh = sharding.mesh
+
+  def used(entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n is not None and mesh.shape[n] > 1)
+    return kept or None
+
+  spec = [used(entry) for entry in sharding.spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return mesh, tuple(spec)
+
+
 def to_host(x) -> np.ndarray:
   """A host copy of a (possibly sharded, possibly multi-process) array: every process gets
   the whole value."""
@@ -351,7 +371,11 @@ def shard_model(model, mesh: Mesh) -> None:
   """Places the model's parameters on `mesh` in place, by the model's own rules:
   `model.partition(path, shape) -> PartitionSpec or None` (None: replicated) names the
   axis split over `model` (e.g. a projection's head axis); a model without `partition`
-  gets every weight replicated (correct, not lean). Parameters already placed stay."""
+  gets every weight replicated (correct, not lean). Parameters already placed stay.
+  `mesh`: anything `make_mesh` takes (not None)."""
+  mesh = make_mesh(mesh)
+  if mesh is None:
+    raise ValueError("shard_model needs a mesh, got None (the model stays where it is)")
   rule = getattr(model, "partition", None)
   state = nnx.state(model, nnx.Param)
 

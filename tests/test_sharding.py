@@ -17,6 +17,7 @@ import pytest
 
 import kvjax
 from kvjax import sharding
+from kvjax.sharding import layout_key as sharding_key
 from kvjax.testing import ByteTokenizer, tiny_llama
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -123,6 +124,22 @@ def test_generate_reports_the_mesh():
 def test_bad_meshes(mesh, match):
   with pytest.raises(ValueError, match=match):
     kvjax.make_mesh(mesh)
+
+
+def test_shard_model_needs_a_mesh():
+  with pytest.raises(ValueError, match="shard_model needs a mesh, got None"):
+    kvjax.shard_model(tiny_llama(), None)
+  with pytest.raises(ValueError, match="mesh must look like 'data=2,model=2'"):
+    kvjax.shard_model(tiny_llama(), "data:2")
+
+
+def test_layout_keys_ignore_axes_of_size_one():
+  mesh = kvjax.make_mesh("data=1,model=1")
+  sharding = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # noqa: E731
+  x = jax.device_put(np.zeros((2, 2, 2)), sharding(None, "data", "model"))
+  y = jax.device_put(np.zeros((2, 2, 2)), sharding())
+  assert sharding_key(x) == sharding_key(y) == (mesh, ())
+  assert sharding_key(np.zeros(2)) is None
 
 
 def test_uneven_splits_are_refused():

@@ -24,32 +24,27 @@ from kvjax.spec import CompressionSpec
 from models import ModelConfig
 from models.llama import Llama
 
-# Llama 3 shapes (8 kv heads: the model axis goes up to 8).
+
+def _llama3(name: str, d_model: int, n_layers: int, n_heads: int, ffn_dim: int) -> ModelConfig:
+  """A Llama 3 shape: 8 kv heads of 128 (so the model axis goes up to 8), 128k vocabulary
+  and context, untied embeddings."""
+  return ModelConfig(
+      vocab_size=128256,
+      d_model=d_model,
+      n_layers=n_layers,
+      n_heads=n_heads,
+      n_kv_heads=8,
+      head_dim=128,
+      ffn_dim=ffn_dim,
+      max_context=131072,
+      name=name,
+      tie_embeddings=False,
+  )
+
+
 MODELS = {
-    "Llama-3-8B": ModelConfig(
-        vocab_size=128256,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=14336,
-        max_context=131072,
-        name="llama-3-8b",
-        tie_embeddings=False,
-    ),
-    "Llama-3-70B": ModelConfig(
-        vocab_size=128256,
-        d_model=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=28672,
-        max_context=131072,
-        name="llama-3-70b",
-        tie_embeddings=False,
-    ),
+    "Llama-3-8B": _llama3("llama-3-8b", 4096, 32, 32, 14336),
+    "Llama-3-70B": _llama3("llama-3-70b", 8192, 80, 64, 28672),
 }
 MESHES = ((1, 8), (8, 8))  # (data, model): 8 and 64 devices
 CONTEXTS = (32768, 131072)
