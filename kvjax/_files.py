@@ -1,4 +1,4 @@
-"""Files written atomically: text files, and small learned artefacts (the learned scorer, a
+"""Files written atomically: text and binary files, and small learned artefacts (the learned scorer, a
 tuned head allocation) as a directory of orbax-checkpoint items `params` (StandardSave of
 named arrays) and `meta` (JsonSave): a complete file or directory, or the old one."""
 
@@ -63,13 +63,18 @@ def read_params(path: str | os.PathLike, *, what: str, fmt: str) -> tuple[dict, 
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-  """`text` in `path`, or the old file: a temporary file beside it, flushed to disk, renamed,
+  """`text` in `path`, or the old file (see `write_bytes`)."""
+  write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+  """`data` in `path`, or the old file: a temporary file beside it, flushed to disk, renamed,
   and the rename flushed too."""
   path = pathlib.Path(path)
   fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
   try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(temporary, path)

@@ -222,6 +222,7 @@ def _run(
           "decode_seconds": decode_seconds,
           "compile_seconds": compile_stats()["compile_seconds"] - compiled["compile_seconds"],
           "compiles": compile_stats()["compiles"] - compiled["compiles"],
+          "loaded": compile_stats()["loaded"] - compiled["loaded"],
           "decode_tokens_per_s": float(sum(generated)) / max(decode_seconds, 1e-9),
           "policy": spec.policy.name,
           "layer_budgets": None if eviction is None else list(eviction.layer_budget),

@@ -14,10 +14,8 @@ unless asked to (`donate=True`, for loops that drop the old state anyway).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import gc
 import math
 import time
 from collections.abc import Callable
@@ -41,7 +39,7 @@ from kvjax.cache import (
     valid_mask,
 )
 from kvjax import sharding as shards
-from kvjax.config import cache_dir
+from kvjax.compilation import compile_stats, compiled
 from kvjax.eviction import evict, protection_mask
 from kvjax.eviction import truncate as _truncate_cache
 from kvjax.policies import head_budgets
@@ -114,72 +112,7 @@ class DecodeResult:
       str
   ]  # "stop" (a stop token), "length" (max_new_tokens), "done" (stopped before)
   logits: Array | None  # [B, N, V]: the logits each token was chosen from (return_logits=True)
-  stats: dict  # decode_seconds, compile_seconds, compiles, decode_tokens_per_s
-
-
-# ---- compiled steps ------------------------------------------------------------------------
-
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-_MAX_COMPILED = 16
-_COMPILE_STATS = {"compiles": 0, "compile_seconds": 0.0, "evicted": 0}
-
-
-def compile_stats() -> dict:
-  """Compilations made by kvjax's steps in this process, and the seconds they took."""
-  return {k: _COMPILE_STATS[k] for k in ("compiles", "compile_seconds")}
-
-
-@functools.cache
-def _use_persistent_cache() -> None:
-  """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
-  unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
-  process loads its executables instead of compiling them again."""
-  root = cache_dir()
-  if root is None or jax.config.jax_compilation_cache_dir is not None:
-    return  # kvjax's caches are off, or the user chose a JAX cache directory
-  path = root / "jax"
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError:
-    return  # a read-only home: compile as before
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  # kvjax's steps take 0.2-5 s to compile on a CPU: keep them all.
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-
-
-def _compiled(fn, statics: dict, *args):
-  """Ahead-of-time compiled `fn` for these static values and argument shapes, cached in
-  this process and (through JAX's persistent cache) across processes."""
-  _use_persistent_cache()
-  leaves, treedef = jax.tree.flatten(args)
-  key = (
-      fn,
-      tuple(statics.items()),
-      treedef,
-      # An executable compiled for one layout over a mesh refuses another.
-      tuple((jnp.shape(x), jnp.result_type(x), shards.layout_key(x)) for x in leaves),
-  )
-  if key in _COMPILED:
-    _COMPILED.move_to_end(key)
-    return _COMPILED[key]
-  start = time.perf_counter()
-  compiled = fn.lower(*args, **statics).compile()
-  _COMPILE_STATS["compiles"] += 1
-  _COMPILE_STATS["compile_seconds"] += time.perf_counter() - start
-  _COMPILED[key] = compiled
-  if len(_COMPILED) > _MAX_COMPILED:
-    _COMPILED.popitem(last=False)
-    _COMPILE_STATS["evicted"] += 1
-    if _COMPILE_STATS["evicted"] % _MAX_COMPILED == 0:
-      # JAX keeps every executable it compiled in caches of its own. On CPU each holds
-      # ~450 memory maps of JIT code, and a process dies (LLVM cannot allocate section
-      # memory) at vm.max_map_count, 65530, after ~140 executables: a service that sees
-      # many shapes would crash. Clearing JAX's caches now and then (and collecting the
-      # cycles that hold the executables) frees what kvjax dropped; the steps kept here
-      # stay compiled.
-      jax.clear_caches()
-      gc.collect()
-  return compiled
+  stats: dict  # decode_seconds, compile_seconds, compiles, loaded, decode_tokens_per_s
 
 
 def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:
@@ -526,7 +459,7 @@ def decode(
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
-  steps = _compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args)
+  steps = compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args)
   start = time.perf_counter()
   decoding = jax.block_until_ready(steps(*args))
   seconds = time.perf_counter() - start
@@ -545,6 +478,7 @@ def decode(
           "decode_seconds": seconds,
           "decode_tokens_per_s": float(num_generated.sum()) / max(seconds, 1e-9),
           "compiles": after["compiles"] - before["compiles"],
+          "loaded": after["loaded"] - before["loaded"],
           "compile_seconds": after["compile_seconds"] - before["compile_seconds"],
       },
   )
@@ -685,7 +619,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
         row(segment[:, window]),
         shards.replicated(jax.random.fold_in(key, int(starts.max()) + offset), mesh),
     )
-    step = _compiled(_prefill_chunk, statics, *args)
+    step = compiled(_prefill_chunk, statics, *args)
     logits, cache, pages = step(*args)
     ends_here = row((lengths - 1 >= offset) & (lengths - 1 < offset + chunk))
     last_logits = jnp.where(ends_here[:, None], logits, last_logits)

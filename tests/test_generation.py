@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import session
+from kvjax import compilation, session
 from kvjax.testing import ByteTokenizer, tiny_llama
 from models import load_llama
 from models.llama import Llama
@@ -52,7 +52,7 @@ def test_decode_compiles_once_for_a_whole_generation(monkeypatch):
     return original(self, tokens, *args, **kwargs)
 
   monkeypatch.setattr(Llama, "run", counting_run)
-  session._COMPILED.clear()
+  compilation._KEPT.clear()
   spec = kvjax.CompressionSpec(prefill_chunk=4, page_size=4)
   result = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
   assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1

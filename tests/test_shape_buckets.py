@@ -90,11 +90,11 @@ def test_compiled_steps_persist_in_the_kvjax_cache_dir(tmp_path, setting):
 def test_steps_kvjax_drops_free_their_code(monkeypatch):
   """JAX keeps every executable it compiled; on CPU each holds ~450 memory maps of JIT
   code, and a process dies at vm.max_map_count (65530) after ~140 of them. kvjax keeps
-  `_MAX_COMPILED` steps and frees the rest, so a long run's maps stay bounded."""
-  from kvjax import session
+  `MAX_KEPT` steps and frees the rest, so a long run's maps stay bounded."""
+  from kvjax import compilation
 
-  monkeypatch.setattr(session, "_MAX_COMPILED", 2)
-  session._COMPILED.clear()  # start from no kept steps, whatever ran before
+  monkeypatch.setattr(compilation, "MAX_KEPT", 2)
+  compilation._KEPT.clear()  # start from no kept steps, whatever ran before
   model, tok = tiny_llama(), ByteTokenizer()
 
   def maps():

@@ -1,0 +1,300 @@
+"""Compiled steps: one executable per step function, static values and argument shapes.
+
+`compiled(fn, statics, *args)` returns the step ready to call, from the first place that has it:
+
+1. this process's last `MAX_KEPT` steps;
+2. kvjax's executable store, `$KVJAX_CACHE_DIR/executables`: a step serialised after it was
+   compiled, loaded without tracing or lowering the model again (on a 2-core CPU the default
+   model's prefill step and decode loop for one shape bucket take 1.3-1.7 s from JAX's
+   cache below, most of it tracing and lowering, and 0.4-0.6 s from the store);
+3. JAX's persistent compilation cache, `$KVJAX_CACHE_DIR/jax`, for the steps the store does
+   not keep: traces and lowers the step, then loads what XLA compiled for the same program
+   in an earlier process;
+4. XLA's compiler (with JAX's cache off for a step the store will keep: XLA:CPU cannot
+   serialise again an executable JAX's cache loaded).
+
+The store's key cannot be the program (that is what tracing makes), so it is everything
+the program is made from: the step's static values and argument types, the source of every
+file of `kvjax`, `models` and `pallas_kernels`, the versions of Python, jax, jaxlib, flax and
+numpy, the backend and device, jax's configuration and the environment variables that steer
+kernels. A step whose static values refer to code kvjax cannot hash that way (a model or
+policy defined outside those packages, whose source may change while its names stay) goes
+through JAX's cache only, which keys on the program itself. Sharded steps do too: an
+executable is bound to its devices. `KVJAX_CACHE_DIR=off` turns both caches off,
+`KVJAX_EXECUTABLES=off` the store alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import gc
+import hashlib
+import io
+import os
+import pathlib
+import pickle
+import pickletools
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import _files
+from kvjax import sharding as shards
+from kvjax.config import cache_dir
+
+MAX_KEPT = 16  # steps kept compiled in this process; older ones are freed
+_STORE_FORMAT = "kvjax-executable-1"
+# Packages whose source files are hashed into the key, so their code may change freely.
+_HASHED_PACKAGES = ("kvjax", "models", "pallas_kernels")
+# Packages whose code the key pins by version.
+_VERSIONED_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "optax")
+
+_KEPT: collections.OrderedDict = collections.OrderedDict()
+_STATS = {"compiles": 0, "compile_seconds": 0.0, "loaded": 0, "dropped": 0}
+
+
+def compile_stats() -> dict:
+  """Steps this process prepared (compiled, or loaded from kvjax's executable store), how
+  many of them came from the store, and the seconds they took."""
+  return {k: _STATS[k] for k in ("compiles", "compile_seconds", "loaded")}
+
+
+def compiled(fn, statics: dict, *args):
+  """`fn` (a `jax.jit` function) lowered and compiled for these static keyword values and
+  these arguments' shapes, dtypes and layouts; see the module docstring for where from."""
+  _use_persistent_cache()
+  leaves, treedef = jax.tree.flatten(args)
+  key = (
+      fn,
+      tuple(statics.items()),
+      treedef,
+      # An executable compiled for one layout over a mesh refuses another.
+      tuple((jnp.shape(x), jnp.result_type(x), shards.layout_key(x)) for x in leaves),
+  )
+  if key in _KEPT:
+    _KEPT.move_to_end(key)
+    return _KEPT[key]
+  start = time.perf_counter()
+  path = _store_path(fn, statics, treedef, leaves)
+  step = _load(path) if path is not None else None
+  if step is not None:
+    _STATS["loaded"] += 1
+  elif path is None:
+    step = fn.lower(*args, **statics).compile()
+  else:
+    hits = _JAX_CACHE_HITS[0]
+    with _without_jax_cache():
+      step = fn.lower(*args, **statics).compile()
+    if _JAX_CACHE_HITS[0] == hits:
+      _save(path, step)
+  _STATS["compiles"] += 1
+  _STATS["compile_seconds"] += time.perf_counter() - start
+  _keep(key, step)
+  return step
+
+
+def _keep(key, step) -> None:
+  _KEPT[key] = step
+  if len(_KEPT) <= MAX_KEPT:
+    return
+  _KEPT.popitem(last=False)
+  _STATS["dropped"] += 1
+  if _STATS["dropped"] % MAX_KEPT == 0:
+    # JAX keeps every executable it compiled in caches of its own. On CPU each holds ~450
+    # memory maps of JIT code, and a process dies (LLVM cannot allocate section memory) at
+    # vm.max_map_count, 65530, after ~140 executables: a service that sees many shapes
+    # would crash. Clearing JAX's caches now and then (and collecting the cycles that hold
+    # the executables) frees what kvjax dropped; the steps kept here stay compiled.
+    jax.clear_caches()
+    gc.collect()
+
+
+@functools.cache
+def _use_persistent_cache() -> None:
+  """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
+  unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
+  process loads its executables instead of compiling them again."""
+  root = cache_dir()
+  if root is None or jax.config.jax_compilation_cache_dir is not None:
+    return  # kvjax's caches are off, or the user chose a JAX cache directory
+  path = root / "jax"
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError:
+    return  # a read-only home: compile as before
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  # kvjax's steps take 0.2-5 s to compile on a CPU: keep them all.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+# ---- the executable store ------------------------------------------------------------------
+
+
+def _store_path(fn, statics: dict, treedef, leaves) -> pathlib.Path | None:
+  """Where the store keeps this step, or None when it must not (see the module docstring)."""
+  root = cache_dir()
+  if root is None or jax.process_count() > 1 or not store_enabled():
+    return None
+  if any(shards.layout_key(x) for x in leaves):
+    return None  # sharded over a mesh: bound to its devices
+  try:
+    # Protocol 2 names every class and function it refers to in a GLOBAL opcode.
+    made_of = pickle.dumps((fn.__module__, fn.__qualname__, statics), protocol=2)
+  except Exception:  # noqa: BLE001 - anything unpicklable just is not stored
+    return None
+  modules = _referenced_modules(made_of) | {fn.__module__}
+  if not all(_code_is_pinned(module) for module in modules):
+    return None
+  digest = hashlib.sha256()
+  for part in (
+      _STORE_FORMAT,
+      _environment(),
+      made_of,
+      str(treedef),
+      # jax.typeof says shape, dtype and weak type: all change the program.
+      repr([(str(jax.typeof(x)), str(getattr(x, "device", ""))) for x in leaves]),
+  ):
+    digest.update(part if isinstance(part, bytes) else part.encode())
+  return root / "executables" / f"{fn.__name__}-{digest.hexdigest()[:40]}.bin"
+
+
+def store_enabled() -> bool:
+  """False when KVJAX_EXECUTABLES=off: the store trusts that the code it hashed is the code
+  that runs, which patching kvjax or its models at run time (as tests do) breaks."""
+  return os.environ.get("KVJAX_EXECUTABLES", "").lower() not in ("off", "0", "false")
+
+
+def _referenced_modules(pickled: bytes) -> set[str]:
+  modules = set()
+  for opcode, arg, _ in pickletools.genops(pickled):
+    if opcode.name == "GLOBAL":
+      modules.add(arg.split(" ")[0])
+  return modules
+
+
+def _code_is_pinned(module: str) -> bool:
+  """The module's code is part of the key: hashed, versioned, or Python's own."""
+  top = module.split(".")[0]
+  return (
+      top in _HASHED_PACKAGES
+      or top in _VERSIONED_PACKAGES
+      or top in sys.stdlib_module_names
+      or top in ("builtins", "__builtin__", "copy_reg", "_codecs")
+  )
+
+
+@functools.cache
+def _environment() -> str:
+  """Everything besides the step's own values that decides the program or its machine code."""
+  from importlib import metadata
+
+  versions = []
+  for name in _VERSIONED_PACKAGES:
+    try:
+      versions.append((name, metadata.version(name)))
+    except metadata.PackageNotFoundError:
+      versions.append((name, None))
+  device = jax.devices()[0]
+  config = sorted(
+      (name, repr(value))
+      for name, value in jax.config.values.items()
+      if not any(part in name for part in ("cache", "log", "dump", "traceback", "guard"))
+  )
+  env = sorted(
+      (name, value)
+      for name, value in os.environ.items()
+      if (name.startswith("KVJAX_") and name not in ("KVJAX_CACHE_DIR", "KVJAX_EXECUTABLES"))
+      or name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+  )
+  return repr(
+      (
+          sys.version,
+          platform.machine(),
+          versions,
+          _source_digest(),
+          device.platform,
+          device.device_kind,
+          jax.device_count(),
+          config,
+          env,
+      )
+  )
+
+
+@functools.cache
+def _source_digest() -> str:
+  digest = hashlib.sha256()
+  for package in _HASHED_PACKAGES:
+    module = sys.modules.get(package) or __import__(package)
+    for root in sorted(map(pathlib.Path, module.__path__)):
+      for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+# XLA:CPU executables that JAX's persistent cache loaded cannot be serialised again: the copy
+# loads, then fails when run ("Function wrapped_iota not found", jax 0.10.2). A step the
+# store will keep is compiled with JAX's cache off, and not stored if the cache served it.
+_JAX_CACHE_HITS = [0]
+
+
+def _count_jax_cache_hits(event: str, **_) -> None:
+  if event == "/jax/compilation_cache/cache_hits":
+    _JAX_CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hits)
+
+
+@contextlib.contextmanager
+def _without_jax_cache():
+  from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  jax_cache.reset_cache()  # it reads the setting once, when first used
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    jax_cache.reset_cache()
+
+
+def _load(path: pathlib.Path):
+  """The stored step, or None (absent, or unreadable: then it is removed and made again)."""
+  from jax.experimental import serialize_executable
+
+  try:
+    payload = path.read_bytes()
+  except OSError:
+    return None
+  try:
+    fmt, executable, in_tree, out_tree = pickle.loads(payload)
+    if fmt != _STORE_FORMAT:
+      raise ValueError(fmt)
+    return serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
+  except Exception:  # noqa: BLE001 - a damaged or foreign entry is compiled again
+    path.unlink(missing_ok=True)
+    return None
+
+
+def _save(path: pathlib.Path, step) -> None:
+  """Stores `step` atomically; a step that cannot be serialised, or a cache directory that
+  cannot be written, is not stored (the step itself is unaffected)."""
+  from jax.experimental import serialize_executable
+
+  try:
+    executable, in_tree, out_tree = serialize_executable.serialize(step)
+    with io.BytesIO() as buffer:
+      pickle.dump((_STORE_FORMAT, executable, in_tree, out_tree), buffer)
+      payload = buffer.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _files.write_bytes(path, payload)
+  except Exception:  # noqa: BLE001 - storing is an optimisation, never a failure
+    return
