@@ -23,32 +23,50 @@ from kvjax.testing import ByteTokenizer, tiny_llama
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("full", "h2o", "kvzip")  # kvzip: the best query-agnostic policy
 MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
-# A budget shared across kv heads (AdaKV) ranks every head of a row: gathered over `model`.
-# The learned scorer predicts every kv head's score: each shard keeps its own heads'.
-CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES] + [
+# By default each policy on the mesh that splits both axes, and each axis alone once; every
+# policy x mesh with -m slow. A budget shared across kv heads (AdaKV) ranks every head of a
+# row: gathered over `model`. The learned scorer predicts every kv head's score: each shard
+# keeps its own heads'.
+DEFAULT_CASES = [
+    *(f"{p}@data=2,model=2" for p in POLICIES),
+    "h2o@data=4,model=1",
+    "kvzip@data=1,model=2",
     "snapkv+layer@data=1,model=2",
     "learned@data=1,model=2",
 ]
+SLOW_CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES if f"{p}@{m}" not in DEFAULT_CASES]
+CASES = [*DEFAULT_CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)]
 
 
 @pytest.fixture(scope="module")
 def sharded_runs():
-  """One subprocess with 4 CPU devices runs every (policy, mesh) case and its reference."""
-  out = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "sharding_check.py"), "4", *CASES],
-      capture_output=True,
-      text=True,
-      timeout=900,
-      cwd=ROOT,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-  return {row["case"]: row for row in rows}
+  """One subprocess with 4 CPU devices per group of cases (the default ones, the slow ones)
+  runs each case and its one-device reference; cases are run when first asked for."""
+  runs = {}
+
+  def run(case):
+    if case not in runs:
+      group = DEFAULT_CASES if case in DEFAULT_CASES else SLOW_CASES
+      out = subprocess.run(
+          [sys.executable, str(ROOT / "tests" / "sharding_check.py"), "4", *group],
+          capture_output=True,
+          text=True,
+          timeout=900,
+          cwd=ROOT,
+      )
+      assert out.returncode == 0, out.stderr[-3000:]
+      for line in out.stdout.splitlines():
+        if line.startswith("{"):
+          row = json.loads(line)
+          runs[row["case"]] = row
+    return runs[case]
+
+  return run
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_generation_matches_one_device(sharded_runs, case):
-  run = sharded_runs[case]
+  run = sharded_runs(case)
   assert run["same_tokens"], run
   assert run["max_logit_diff"] <= 1e-5, run
   assert run["kv_bytes"][0] == run["kv_bytes"][1]  # the same tokens kept, in total
@@ -59,7 +77,7 @@ def test_cache_bytes_per_device(sharded_runs, case):
   """Measured from the arrays' shards: each device holds 1/N of the cache, plus its own
   null page (for a context compressed once, the room the fullest shard needs; with a budget
   shared across heads, its rows' whole pool)."""
-  run = sharded_runs[case]
+  run = sharded_runs(case)
   n = int(np.prod([int(part.split("=")[1]) for part in case.split("@")[1].split(",")]))
   per_device, whole = run["bytes_per_device"], run["unsharded_bytes"]
   assert run["devices"] == n and len(set(per_device)) == 1
@@ -77,7 +95,7 @@ def test_cache_bytes_per_device(sharded_runs, case):
 def test_no_recompilation_per_step(sharded_runs, case):
   """A mesh compiles what one device compiles: one prefill step for all its chunks, one
   decode loop for all its steps, nothing for a second decode of the same length."""
-  counts, one_device = sharded_runs[case]["compiles"], sharded_runs[case]["one_device_compiles"]
+  counts, one_device = sharded_runs(case)["compiles"], sharded_runs(case)["one_device_compiles"]
   assert counts == one_device
   assert counts["first_decode"] == 1 and counts["second_decode"] == 0
 

@@ -230,23 +230,27 @@ def _sequence(args, model, tok, ref, ids):
       "tokens each, greedy), seconds in all (fastest-slowest request); JAX's "
       f"persistent compilation cache {cache}:\n"
   )
-  print("| pass | kvjax full | kvjax compiles (seconds) | transformers | kvjax / transformers |")
+  print(
+      "| pass | kvjax full | kvjax steps compiled or loaded (of them loaded from the store; "
+      "seconds) | transformers | kvjax / transformers |"
+  )
   print("|---|---:|---:|---:|---:|")
   rng = np.random.default_rng(0)
   starts = rng.integers(0, len(ids) - max(SEQUENCE), len(SEQUENCE))
   prompts = [ids[s : s + n] for s, n in zip(starts, SEQUENCE)]
   for name in ("first", "again"):
-    ours, theirs, compiles, compiling = [], [], 0, 0.0
+    ours, theirs, compiles, loaded, compiling = [], [], 0, 0, 0.0
     for prompt in prompts:
       start = time.perf_counter()
       result = kvjax.generate(model, tok, [prompt], max_new_tokens=args.new_tokens)
       ours.append(time.perf_counter() - start)
       compiles += result.stats["compiles"]
+      loaded += result.stats["loaded"]
       compiling += result.stats["compile_seconds"]
       theirs.append(_torch_generate(ref, prompt, args.new_tokens))
     print(
         f"| {name} | {sum(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) "
-        f"| {compiles} ({compiling:.1f}) "
+        f"| {compiles} ({loaded}; {compiling:.1f}) "
         f"| {sum(theirs):.1f} ({min(theirs):.1f}-{max(theirs):.1f}) "
         f"| {sum(ours) / sum(theirs):.2f} |",
         flush=True,
