@@ -31,7 +31,7 @@ def protection_mask(cache: PagedKVCache) -> Bool[Array, "L B H N"]:
   )
 
 
-def _sort_keys(x: Float[Array, "..."]) -> Array:
+def sort_keys(x: Float[Array, "..."]) -> Array:
   """uint32 keys whose order is jnp.sort's order of float32 x: -inf < finite < inf < NaN,
   -0.0 == 0.0 (jax's own sort key: zeros and NaNs made canonical, sign-magnitude flipped)."""
   x = x.astype(jnp.float32)
@@ -56,7 +56,7 @@ def lowest(x: Float[Array, "... M"], k: Int[Array, "..."] | int) -> Bool[Array, 
     raise ValueError(
         f"k of shape {k.shape} does not broadcast to x's rows {x.shape[:-1]}"
     ) from None
-  keys = _sort_keys(x)
+  keys = sort_keys(x)
 
   def narrow(_, bounds):  # smallest key t with count(keys <= t) >= k lies in [lo, hi]
     lo, hi = bounds

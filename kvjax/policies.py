@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
 from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
-from kvjax.eviction import evict, lowest, protection_mask
+from kvjax.eviction import evict, lowest, protection_mask, sort_keys
 from kvjax.sharding import all_heads, any_shard, my_heads, shard_key
 from pallas_kernels import output_impact as output_impact_kernel
 
@@ -99,14 +99,19 @@ def _normalise(x: Float[Array, "... N"], valid) -> Float[Array, "... N"]:
 
   Ranks, not x / max: attention histories are heavy-tailed (the sink tokens draw most of
   the attention), so dividing by the max squashed every evictable token near 0 and let
-  the 0.1-weighted info term decide alone."""
-  ranked = jnp.where(valid, x, -jnp.inf)
-  ordered = jnp.sort(ranked, axis=-1)
-  search = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
-  flat_sorted, flat_x = ordered.reshape(-1, x.shape[-1]), ranked.reshape(-1, x.shape[-1])
-  below = search(flat_sorted, flat_x, "left").reshape(x.shape)
-  through = search(flat_sorted, flat_x, "right").reshape(x.shape)
-  rank = (below + through - 1).astype(jnp.float32) / 2  # ties share their average rank
+  the 0.1-weighted info term decide alone. The ranks come from one sort of uint32 keys in
+  jnp.sort's order (a quarter of the time of a float sort on XLA:CPU) and two unrolled
+  binary searches; ties share their average rank."""
+  keys = sort_keys(jnp.where(valid, x, -jnp.inf))  # [..., N]
+  ordered = jax.lax.sort(keys, dimension=keys.ndim - 1)
+  search = jax.vmap(
+      lambda row, values, side: jnp.searchsorted(row, values, side, method="scan_unrolled"),
+      in_axes=(0, 0, None),
+  )
+  flat_sorted, flat_keys = ordered.reshape(-1, x.shape[-1]), keys.reshape(-1, x.shape[-1])
+  below = search(flat_sorted, flat_keys, "left").reshape(x.shape)
+  through = search(flat_sorted, flat_keys, "right").reshape(x.shape)
+  rank = (below + through - 1).astype(jnp.float32) / 2
   dead = x.shape[-1] - valid.sum(-1, keepdims=True)  # empty slots rank first
   live = jnp.maximum(valid.sum(-1, keepdims=True) - 1, 1)
   return jnp.where(valid, jnp.clip(rank - dead, 0.0) / live, 0.0)

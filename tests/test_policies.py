@@ -372,6 +372,26 @@ def _info_cache(policy):
   return policy.observe_logits(cache, logits, jnp.array([N_TOKENS]))
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_normalised_ranks_average_ties_and_skip_empty_slots(n):
+  """info_aware's rank normalisation against counting by hand: a live slot's rank is the
+  mean of its lowest and highest position among the live values (ties share it; -0.0 ties
+  0.0), scaled by the live count - 1; empty slots get 0 (live scores are never -inf)."""
+  rng = np.random.default_rng(n)
+  x = rng.choice([-1.5, -0.0, 0.0, 0.25, 2.0, np.inf], size=(3, n)).astype(np.float32)
+  x[1] = rng.normal(size=n)
+  valid = rng.random((3, n)) < 0.7
+  got = np.asarray(policies._normalise(jnp.asarray(x), jnp.asarray(valid)))
+  for row in range(3):
+    live = x[row][valid[row]]
+    for i in range(n):
+      if not valid[row, i]:
+        assert got[row, i] == 0
+        continue
+      rank = ((live < x[row, i]).sum() + (live <= x[row, i]).sum() - 1) / 2
+      assert got[row, i] == pytest.approx(rank / max(len(live) - 1, 1), abs=1e-6)
+
+
 def test_info_aware_records_entropy_and_layer_change():
   policy = policies.InfoAware()
   cache = _info_cache(policy)
