@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from kvjax.cache import NULL_PAGE, PagedKVCache
@@ -126,3 +128,22 @@ def assert_compressed_once(state, context_length: int, *, row: int = 0) -> None:
       kept = set(read_sequence(cache, layer, row, head)[2].tolist())
       assert must_keep <= kept, (layer, head, sorted(must_keep - kept))
   assert state.plan.eviction is None  # compressed once: later tokens are kept
+
+
+@contextlib.contextmanager
+def counting_traces(model_class=None):
+  """Inside the block, `model_class.run` (default `models.Llama`) records the token shape
+  of each call into the yielded list: one entry per trace of a jitted step."""
+  if model_class is None:
+    from models.llama import Llama as model_class
+  traces, original = [], model_class.run
+
+  def counting_run(self, tokens, *args, **kwargs):
+    traces.append(tokens.shape)
+    return original(self, tokens, *args, **kwargs)
+
+  model_class.run = counting_run
+  try:
+    yield traces
+  finally:
+    model_class.run = original

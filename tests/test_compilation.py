@@ -6,7 +6,7 @@ import jax
 import kvjax
 import pytest
 from kvjax import compilation
-from kvjax.testing import ByteTokenizer, tiny_llama
+from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models.llama import Llama
 
 SPEC = kvjax.CompressionSpec(policy="h2o", budget=24, prefill_chunk=8)
@@ -29,16 +29,8 @@ def _as_a_new_process():
 
 def _traced_generate(monkeypatch, model):
   """Generates, counting the model's traces (a loaded step runs no Python of the model)."""
-  traces = []
-  original = Llama.run
-
-  def counting_run(self, tokens, *args, **kwargs):
-    traces.append(tokens.shape)
-    return original(self, tokens, *args, **kwargs)
-
-  monkeypatch.setattr(Llama, "run", counting_run)
-  result = kvjax.generate(model, ByteTokenizer(), ["hello there, store"], SPEC, max_new_tokens=6)
-  monkeypatch.setattr(Llama, "run", original)
+  with counting_traces() as traces:
+    result = kvjax.generate(model, ByteTokenizer(), ["hello there, store"], SPEC, max_new_tokens=6)
   return result, traces
 
 

@@ -9,9 +9,8 @@ import pytest
 
 import kvjax
 from kvjax import compilation, session
-from kvjax.testing import ByteTokenizer, tiny_llama
+from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models import load_llama
-from models.llama import Llama
 
 
 def _tiny_model(max_context=128):
@@ -42,25 +41,18 @@ def test_batched_ragged_prompts_match_each_prompt_alone(smollm):
     assert alone.tokens[0] == batched.tokens[row], prompt
 
 
-def test_decode_compiles_once_for_a_whole_generation(monkeypatch):
+def test_decode_compiles_once_for_a_whole_generation():
   model, tokenizer = _tiny_model(), ByteTokenizer()
-  traces = []
-  original = Llama.run
-
-  def counting_run(self, tokens, *args, **kwargs):
-    traces.append(tokens.shape)
-    return original(self, tokens, *args, **kwargs)
-
-  monkeypatch.setattr(Llama, "run", counting_run)
   compilation._KEPT.clear()
   spec = kvjax.CompressionSpec(prefill_chunk=4, page_size=4)
-  result = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
-  assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1
-  # One trace for the prefill chunk shape, one for the whole decode loop.
-  assert traces == [(1, 4), (1, 1)]
-  assert result.stats["compiles"] == 2
-  again = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
-  assert len(traces) == 2, "a second call with the same shapes must not retrace"
+  with counting_traces() as traces:
+    result = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
+    assert result.stats["generated_tokens"][0] + (result.finish_reasons[0] == "stop") >= 1
+    # One trace for the prefill chunk shape, one for the whole decode loop.
+    assert traces == [(1, 4), (1, 1)]
+    assert result.stats["compiles"] == 2
+    again = kvjax.generate(model, tokenizer, ["hello there"], spec, max_new_tokens=20)
+    assert len(traces) == 2, "a second call with the same shapes must not retrace"
   assert again.stats["compiles"] == 0
 
 
