@@ -185,7 +185,8 @@ class PagedKVCache:
   def kv_bytes(self) -> int:
     """Host-side: bytes of K and V held by live pages (what a right-sized pool must hold).
     Inside jit, track `pages_in_use().sum()` instead (int32 bytes would overflow)."""
-    return int(self.pages_in_use().sum()) * self.page_bytes
+    length = np.asarray(jax.device_get(self.length), np.int64)  # host math: nothing to compile
+    return int((-(-length // self.config.page_size)).sum()) * self.page_bytes
 
 
 def one_device(cache: PagedKVCache, what: str) -> None:

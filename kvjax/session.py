@@ -74,7 +74,8 @@ class Sampling:
 
   def arrays(self):
     """Traced (not static) values: changing them does not recompile."""
-    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+    values = (np.float32(self.temperature), np.int32(self.top_k), np.float32(self.top_p))
+    return tuple(jax.device_put(x) for x in values)  # no eager op: nothing to compile
 
 
 @struct.dataclass
@@ -126,10 +127,27 @@ def _policy(plan: CachePlan):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
 def _prefill_chunk(
-    params, cache, tokens, positions, num_new, logits_at, protected, segment, key, *, graphdef, plan
+    params,
+    cache,
+    last_logits,
+    peak,
+    tokens,
+    positions,
+    num_new,
+    logits_at,
+    ends_here,
+    protected,
+    segment,
+    key,
+    key_offset,
+    *,
+    graphdef,
+    plan,
 ):
-  """One prefill chunk; returns the logits at `logits_at`, the cache after eviction, and
-  the pages held before eviction (the peak)."""
+  """One prefill chunk; returns the rows' last logits (the logits at `logits_at` where the
+  row's prompt `ends_here`), the cache after eviction, and the peak of pages held (before
+  eviction). The bookkeeping between chunks is done here, not by eager ops: each of those
+  would compile a small program in a fresh process."""
   model = nnx.merge(graphdef, params)
   logits, cache = forward(
       model,
@@ -143,10 +161,11 @@ def _prefill_chunk(
       segment=segment,
       attention_impl=plan.impl,
   )
-  peak = cache.pages_in_use().sum()
+  peak = jnp.maximum(peak, cache.pages_in_use().sum())
   if plan.eviction is not None:
-    cache = _evict(plan.eviction, cache, key)
-  return shards.rows(logits, cache.mesh), shards.constrain(cache), peak
+    cache = _evict(plan.eviction, cache, jax.random.fold_in(key, key_offset))
+  last_logits = jnp.where(ends_here[:, None], logits, last_logits)
+  return shards.rows(last_logits, cache.mesh), shards.constrain(cache), peak
 
 
 @struct.dataclass
@@ -441,10 +460,10 @@ def decode(
   vocab = state.logits.shape[-1]
   decoding = _Decoding(
       state=state,
-      tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
-      num_generated=jnp.zeros((b,), jnp.int32),
-      stopped=jnp.zeros((b,), bool),
-      step=jnp.int32(0),
+      tokens=jax.device_put(np.zeros((b, max_new_tokens), np.int32)),
+      num_generated=jax.device_put(np.zeros((b,), np.int32)),
+      stopped=jax.device_put(np.zeros((b,), bool)),
+      step=jax.device_put(np.int32(0)),
       recorded=jnp.zeros((b, max_new_tokens, vocab), jnp.float32) if return_logits else None,
   )
   decoding = _laid_out(decoding)
@@ -455,7 +474,7 @@ def decode(
   args = (
       params,
       decoding,
-      shards.replicated(jnp.asarray(stop), mesh),
+      shards.replicated(jax.device_put(stop), mesh),
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
@@ -549,11 +568,11 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
   # prefill's eviction keys are folded from `key` per chunk; decoding splits it per step.
   state = State(
       cache=cache,
-      logits=jnp.asarray(np.zeros((batch, shape.vocab_size), np.float32)),
-      position=jnp.asarray(np.zeros((batch,), np.int32)),
-      done=jnp.asarray(np.zeros((batch,), bool)),
+      logits=jax.device_put(np.zeros((batch, shape.vocab_size), np.float32)),
+      position=jax.device_put(np.zeros((batch,), np.int32)),
+      done=jax.device_put(np.zeros((batch,), bool)),
       key=jax.random.key(seed) if key is None else key,
-      peak_pages=jnp.asarray(np.int32(0)),
+      peak_pages=jax.device_put(np.int32(0)),
       plan=plan,
   )
   return _laid_out(state), encoded, shape, reserve
@@ -611,19 +630,20 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
     args = (
         params,
         cache,
+        last_logits,
+        peak,
         row(ids[:, window]),
         row(positions),
         row(num_new),
         row(last_index),
+        row((lengths - 1 >= offset) & (lengths - 1 < offset + chunk)),
         row(protected[:, window]),
         row(segment[:, window]),
-        shards.replicated(jax.random.fold_in(key, int(starts.max()) + offset), mesh),
+        shards.replicated(key, mesh),
+        shards.replicated(np.uint32(int(starts.max()) + offset), mesh),
     )
     step = compiled(_prefill_chunk, statics, *args)
-    logits, cache, pages = step(*args)
-    ends_here = row((lengths - 1 >= offset) & (lengths - 1 < offset + chunk))
-    last_logits = jnp.where(ends_here[:, None], logits, last_logits)
-    peak = jnp.maximum(peak, pages)
+    last_logits, cache, peak = step(*args)
     if progress is not None:
       progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))
   check_status(cache)
@@ -631,9 +651,9 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
   state = state.replace(
       cache=cache,
       logits=jax.block_until_ready(last_logits),
-      position=jnp.asarray((starts + lengths).astype(np.int32)),
-      done=jnp.asarray(shards.to_host(state.done) & ~added),
-      peak_pages=peak.astype(jnp.int32),
+      position=jax.device_put((starts + lengths).astype(np.int32)),
+      done=jax.device_put(shards.to_host(state.done) & ~added),
+      peak_pages=peak,
   )
   return _laid_out(state)
 
