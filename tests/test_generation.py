@@ -150,3 +150,23 @@ def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, bud
   )
   assert all(len(t) == 12 for t in ref.tokens)  # no early stop: every decode step compared
   assert pallas.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("policy, budget", [("full", None), ("h2o", 24)])
+def test_a_request_compiles_its_steps_and_no_eager_ops(caplog, policy, budget):
+  # Every eager op on the host's arrays compiles a small program the first time it sees a
+  # shape (in a fresh process, ~20 ms each): a batch of 5 rows, used nowhere else, shows any.
+  model, tokenizer = _tiny_model(), ByteTokenizer()
+  spec = kvjax.CompressionSpec(policy, budget=budget, prefill_chunk=8, page_size=4)
+  prompts = [f"row {i} " * (i + 6) for i in range(5)]
+  with jax.log_compiles(), caplog.at_level("WARNING"):
+    kvjax.generate(model, tokenizer, prompts, spec, max_new_tokens=6, seed=3)
+  compiled = [r.getMessage().split()[1] for r in caplog.records if "Compiling " in r.getMessage()]
+  assert "jit(_prefill_chunk)" in compiled and "jit(_decode)" in compiled  # new shapes
+  # The steps, the empty cache, and the PRNG key made from the seed (a scalar).
+  assert set(compiled) <= {"jit(_prefill_chunk)", "jit(_decode)", "jit(_empty_arrays)"} | {
+      "jit(_threefry_seed)",
+      "jit(stage)",
+  }, compiled
+  staged = [r.getMessage() for r in caplog.records if "Compiling jit(stage)" in r.getMessage()]
+  assert all("ShapedArray(int32[])," in m for m in staged), staged
