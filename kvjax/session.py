@@ -161,7 +161,9 @@ def _prefill_chunk(
       segment=segment,
       attention_impl=plan.impl,
   )
-  peak = jnp.maximum(peak, cache.pages_in_use().sum())
+  # The sum in the carried dtype: an int64 sum (jax_enable_x64) would change the next
+  # chunk's argument types and compile the step again.
+  peak = jnp.maximum(peak, cache.pages_in_use().sum(dtype=peak.dtype))
   if plan.eviction is not None:
     cache = _evict(plan.eviction, cache, jax.random.fold_in(key, key_offset))
   last_logits = jnp.where(ends_here[:, None], logits, last_logits)
@@ -622,6 +624,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
   # The peak stays on device: reading it per chunk would stall dispatch of the next chunk.
   last_logits, cache, peak = state.logits, state.cache, state.peak_pages
   statics = {"graphdef": graphdef, "plan": plan}
+  key = shards.replicated(key, mesh)  # once: every chunk folds its offset into it
   for offset in range(0, ids.shape[1], chunk):
     window = slice(offset, offset + chunk)
     num_new = np.clip(lengths - offset, 0, chunk).astype(np.int32)
@@ -639,7 +642,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
         row((lengths - 1 >= offset) & (lengths - 1 < offset + chunk)),
         row(protected[:, window]),
         row(segment[:, window]),
-        shards.replicated(key, mesh),
+        key,
         shards.replicated(np.uint32(int(starts.max()) + offset), mesh),
     )
     step = compiled(_prefill_chunk, statics, *args)
