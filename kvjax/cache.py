@@ -185,8 +185,18 @@ class PagedKVCache:
   def kv_bytes(self) -> int:
     """Host-side: bytes of K and V held by live pages (what a right-sized pool must hold).
     Inside jit, track `pages_in_use().sum()` instead (int32 bytes would overflow)."""
-    length = np.asarray(jax.device_get(self.length), np.int64)  # host math: nothing to compile
+    length = to_host(self.length).astype(np.int64)  # host math: nothing to compile
     return int((-(-length // self.config.page_size)).sum()) * self.page_bytes
+
+
+def to_host(x) -> np.ndarray:
+  """A host copy of a (possibly sharded, possibly multi-process) array: every process gets
+  the whole value (`jax.device_get` refuses an array with shards on other processes)."""
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def one_device(cache: PagedKVCache, what: str) -> None:

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.cache import PagedKVCache, init_cache
+from kvjax.cache import PagedKVCache, init_cache, to_host  # noqa: F401 - to_host: shards.to_host
 
 DATA, MODEL = "data", "model"
 SHARDS = (DATA, MODEL)  # the pool's first axis: one block per device, data-major
@@ -342,16 +342,6 @@ def layout_key(x):
   while spec and spec[-1] is None:
     spec.pop()
   return mesh, tuple(spec)
-
-
-def to_host(x) -> np.ndarray:
-  """A host copy of a (possibly sharded, possibly multi-process) array: every process gets
-  the whole value."""
-  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
 
 
 def shard_bytes(cache: PagedKVCache) -> dict:
