@@ -13,6 +13,14 @@
 4. XLA's compiler (with JAX's cache off for a step the store will keep: XLA:CPU cannot
    serialise again an executable JAX's cache loaded).
 
+Both caches hold native code, so both are trusted only as far as `models.cache_dir` allows:
+the directory must be private to this user (else one warning, and no cache), and every
+entry carries an HMAC keyed by this user's secret. A store entry is a JSON header line
+(format, payload size, tag) and the serialised executable; nothing in it is unpickled
+before its tag checks, and its pytree structures come from the step being loaded (its
+arguments and `returns`), not from the file. JAX's cache entries get the same tag through a
+wrapper around JAX's own file cache. An entry that fails is removed and compiled again.
+
 The store's key cannot be the program (that is what tracing makes), so it is everything
 the program is made from: the step's static values and argument types, the source of every
 file of `kvjax`, `models` and `pallas_kernels`, the versions of Python, jax, jaxlib, flax and
@@ -31,7 +39,7 @@ import contextlib
 import functools
 import gc
 import hashlib
-import io
+import json
 import os
 import pathlib
 import pickle
@@ -46,9 +54,21 @@ import jax.numpy as jnp
 from kvjax import _files
 from kvjax import sharding as shards
 from kvjax.config import cache_dir
+from models import cache_dir as private_cache
+
+try:  # JAX's persistent cache, wrapped by `_AuthenticatedCache` (private modules)
+  from jax._src import compilation_cache as _jax_cache
+  from jax._src import lru_cache as _lru_cache
+  from jax._src.compilation_cache_interface import CacheInterface as _CacheInterface
+
+  if not hasattr(_lru_cache, "_CACHE_SUFFIX"):
+    raise ImportError("jax._src.lru_cache has changed")
+except ImportError:
+  _jax_cache = _lru_cache = None
+  _CacheInterface = object
 
 MAX_KEPT = 16  # steps kept compiled in this process; older ones are freed
-_STORE_FORMAT = "kvjax-executable-1"
+_STORE_FORMAT = "kvjax-executable-2"
 # Packages whose source files are hashed into the key, so their code may change freely.
 _HASHED_PACKAGES = ("kvjax", "models", "pallas_kernels")
 # Packages whose code the key pins by version.
@@ -64,9 +84,11 @@ def compile_stats() -> dict:
   return {k: _STATS[k] for k in ("compiles", "compile_seconds", "loaded")}
 
 
-def compiled(fn, statics: dict, *args):
+def compiled(fn, statics: dict, *args, returns):
   """`fn` (a `jax.jit` function) lowered and compiled for these static keyword values and
-  these arguments' shapes, dtypes and layouts; see the module docstring for where from."""
+  these arguments' shapes, dtypes and layouts; see the module docstring for where from.
+  `returns(*args)` gives a pytree of `fn`'s output structure without running it (e.g. the
+  arguments it hands back updated): a stored step is loaded with it."""
   _use_persistent_cache()
   leaves, treedef = jax.tree.flatten(args)
   key = (
@@ -81,7 +103,8 @@ def compiled(fn, statics: dict, *args):
     return _KEPT[key]
   start = time.perf_counter()
   path = _store_path(fn, statics, treedef, leaves)
-  step = _load(path) if path is not None else None
+  trees = (jax.tree.structure((args, {})), jax.tree.structure(returns(*args)))
+  step = _load(path, *trees) if path is not None else None
   if step is not None:
     _STATS["loaded"] += 1
   elif path is None:
@@ -91,7 +114,7 @@ def compiled(fn, statics: dict, *args):
     with _without_jax_cache():
       step = fn.lower(*args, **statics).compile()
     if _JAX_CACHE_HITS[0] == hits:
-      _save(path, step)
+      _save(path, step, *trees)
   _STATS["compiles"] += 1
   _STATS["compile_seconds"] += time.perf_counter() - start
   _keep(key, step)
@@ -116,20 +139,65 @@ def _keep(key, step) -> None:
 
 @functools.cache
 def _use_persistent_cache() -> None:
-  """Points JAX's persistent compilation cache at `cache_dir()/jax` (once per process,
-  unless the user set a cache directory of their own or KVJAX_CACHE_DIR=off), so a second
-  process loads its executables instead of compiling them again."""
-  root = cache_dir()
-  if root is None or jax.config.jax_compilation_cache_dir is not None:
-    return  # kvjax's caches are off, or the user chose a JAX cache directory
-  path = root / "jax"
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError:
-    return  # a read-only home: compile as before
+  """Points JAX's persistent compilation cache at `cache_dir('jax')`, its entries
+  authenticated (once per process, unless the user set a JAX cache directory of their own,
+  KVJAX_CACHE_DIR=off, the directory is not private, or this JAX's cache cannot be wrapped),
+  so a second process loads its executables instead of compiling them again."""
+  if jax.config.jax_compilation_cache_dir is not None:
+    return  # the user chose a JAX cache directory (and trusts it)
+  path = cache_dir("jax")
+  if path is None or not _AuthenticatedCache.install(path):
+    return
   jax.config.update("jax_compilation_cache_dir", str(path))
   # kvjax's steps take 0.2-5 s to compile on a CPU: keep them all.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+class _AuthenticatedCache(_CacheInterface):
+  """JAX's file cache (`LRUCache`) with an HMAC tag before every entry: an entry someone else
+  wrote into the directory is removed and compiled again, never deserialised. Keys get a
+  prefix of their own, so JAX's plain cache (were it ever pointed here) sees none of them.
+  JAX has no public hook for its cache's storage: where its internals differ from what this
+  wraps, `install` returns False and JAX's persistent cache stays off."""
+
+  _PREFIX = "kvjax-"
+  _TAG_BYTES = 64  # hex HMAC-SHA256
+  installed: pathlib.Path | None = None  # the directory kvjax's cache serves; None until then
+
+  def __init__(self, path: pathlib.Path):
+    self.base = _lru_cache.LRUCache(str(path), max_size=jax.config.jax_compilation_cache_max_size)
+    self._path = self.base._path
+
+  @classmethod
+  def install(cls, path: pathlib.Path | None = None) -> bool:
+    """Makes JAX's persistent cache this one, over `path` (default: the directory it was
+    last installed over, after a `reset_cache` dropped it)."""
+    path = path or cls.installed
+    if path is None or _jax_cache is None:
+      return False
+    if not all(hasattr(_jax_cache, n) for n in ("_cache", "_cache_initialized", "reset_cache")):
+      return False
+    _jax_cache._cache = cls(path)
+    _jax_cache._cache_initialized = True  # JAX would otherwise make its own plain cache
+    cls.installed = path
+    return True
+
+  def get(self, key: str) -> bytes | None:
+    value = self.base.get(self._PREFIX + key)
+    if value is None:
+      return None
+    tag, body = value[: self._TAG_BYTES], value[self._TAG_BYTES :]
+    if private_cache.verify(tag.decode("ascii", "replace"), "jax-cache", key.encode(), body):
+      return body
+    # Not ours: removed, so that `put` (which never overwrites) can store our own.
+    entry = pathlib.Path(self._path) / f"{self._PREFIX}{key}{_lru_cache._CACHE_SUFFIX}"
+    entry.unlink(missing_ok=True)
+    return None
+
+  def put(self, key: str, value: bytes) -> None:
+    tag = private_cache.tag("jax-cache", key.encode(), value)
+    if tag is not None:
+      self.base.put(self._PREFIX + key, tag.encode("ascii") + value)
 
 
 # ---- the executable store ------------------------------------------------------------------
@@ -137,8 +205,10 @@ def _use_persistent_cache() -> None:
 
 def _store_path(fn, statics: dict, treedef, leaves) -> pathlib.Path | None:
   """Where the store keeps this step, or None when it must not (see the module docstring)."""
-  root = cache_dir()
-  if root is None or jax.process_count() > 1 or not store_enabled():
+  if jax.process_count() > 1 or not store_enabled():
+    return None
+  store = cache_dir("executables")
+  if store is None:
     return None
   if any(shards.layout_key(x) for x in leaves):
     return None  # sharded over a mesh: bound to its devices
@@ -160,7 +230,7 @@ def _store_path(fn, statics: dict, treedef, leaves) -> pathlib.Path | None:
       repr([(str(jax.typeof(x)), str(getattr(x, "device", ""))) for x in leaves]),
   ):
     digest.update(part if isinstance(part, bytes) else part.encode())
-  return root / "executables" / f"{fn.__name__}-{digest.hexdigest()[:40]}.bin"
+  return store / f"{fn.__name__}-{digest.hexdigest()[:40]}.bin"
 
 
 def store_enabled() -> bool:
@@ -264,37 +334,48 @@ def _without_jax_cache():
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
     jax_cache.reset_cache()
+    _AuthenticatedCache.install()  # the reset dropped it
 
 
-def _load(path: pathlib.Path):
-  """The stored step, or None (absent, or unreadable: then it is removed and made again)."""
+def _load(path: pathlib.Path, in_tree, out_tree):
+  """The stored step, or None (absent, or not authenticated, or unreadable: then it is
+  removed and made again)."""
   from jax.experimental import serialize_executable
 
   try:
-    payload = path.read_bytes()
+    entry = path.read_bytes()
   except OSError:
     return None
   try:
-    fmt, executable, in_tree, out_tree = pickle.loads(payload)
-    if fmt != _STORE_FORMAT:
-      raise ValueError(fmt)
-    return serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
-  except Exception:  # noqa: BLE001 - a damaged or foreign entry is compiled again
+    line, _, payload = entry.partition(b"\n")
+    header = json.loads(line)
+    if not isinstance(header, dict) or header.get("format") != _STORE_FORMAT:
+      raise ValueError("another format")
+    if header.get("size") != len(payload) or not private_cache.verify(
+        header.get("tag"), "executable", path.name.encode(), payload
+    ):
+      raise ValueError("not authenticated")
+    # Authenticated: written by this user's kvjax. The payload is JAX's own serialised form.
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception:  # noqa: BLE001 - a damaged, foreign or planted entry is compiled again
     path.unlink(missing_ok=True)
     return None
 
 
-def _save(path: pathlib.Path, step) -> None:
-  """Stores `step` atomically; a step that cannot be serialised, or a cache directory that
-  cannot be written, is not stored (the step itself is unaffected)."""
+def _save(path: pathlib.Path, step, in_tree, out_tree) -> None:
+  """Stores `step` atomically; a step that cannot be serialised, whose structures are not
+  the ones a load will give it, or a cache directory that cannot be written, is not stored
+  (the step itself is unaffected)."""
   from jax.experimental import serialize_executable
 
   try:
-    executable, in_tree, out_tree = serialize_executable.serialize(step)
-    with io.BytesIO() as buffer:
-      pickle.dump((_STORE_FORMAT, executable, in_tree, out_tree), buffer)
-      payload = buffer.getvalue()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _files.write_bytes(path, payload)
+    payload, step_in, step_out = serialize_executable.serialize(step)
+    if (step_in, step_out) != (in_tree, out_tree):
+      return  # `returns` does not describe the step: a load would mislabel its outputs
+    tag = private_cache.tag("executable", path.name.encode(), payload)
+    if tag is None:
+      return
+    header = json.dumps({"format": _STORE_FORMAT, "size": len(payload), "tag": tag})
+    _files.write_bytes(path, header.encode() + b"\n" + payload)
   except Exception:  # noqa: BLE001 - storing is an optimisation, never a failure
     return

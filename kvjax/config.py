@@ -12,13 +12,15 @@ _DTYPES = ("float32", "bfloat16", "float16")
 GROUP_REDUCTIONS = ("mean", "sum", "max")
 
 
-def cache_dir() -> pathlib.Path | None:
-  """kvjax's cache directory (compiled steps, converted weights): $KVJAX_CACHE_DIR, else
-  kvjax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache); None when
-  KVJAX_CACHE_DIR=off. Defined with the model loaders, which import nothing of kvjax."""
-  from models.registry import cache_root
+def cache_dir(*parts: str) -> pathlib.Path | None:
+  """A directory of kvjax's cache (compiled steps, converted weights), `parts` below its
+  root: $KVJAX_CACHE_DIR, else kvjax under the user's cache directory ($XDG_CACHE_HOME or
+  ~/.cache). None when KVJAX_CACHE_DIR=off, or (after one warning) when the directory is not
+  private to this user. Defined with the model loaders (`models.cache_dir`), which import
+  nothing of kvjax."""
+  from models.cache_dir import private_dir
 
-  return cache_root()
+  return private_dir(*parts)
 
 
 def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:

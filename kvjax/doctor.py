@@ -75,7 +75,7 @@ def implementation(op: str) -> tuple[str, str]:
 def report() -> dict:
   """The machine as kvjax sees it: backend, devices, memory, versions, the default model,
   the implementation of each kernel op, the compilation cache."""
-  from kvjax.config import cache_dir
+  from models.cache_dir import describe as describe_cache
   from models.registry import DEFAULT_MODEL, resolve_model
 
   backend = jax.default_backend()
@@ -84,7 +84,6 @@ def report() -> dict:
     model = f"{DEFAULT_MODEL}: {resolve_model(DEFAULT_MODEL).path}"
   except (FileNotFoundError, ValueError) as e:
     model = f"{DEFAULT_MODEL}: {e}"
-  root = cache_dir()
   return {
       "backend": backend,
       "devices": f"{len(devices)} x {devices[0].device_kind}",
@@ -99,7 +98,7 @@ def report() -> dict:
       },
       "default model": model,
       "impl='auto'": {op: dict(zip(("runs", "why"), implementation(op))) for op in KERNELS},
-      "cache directory": "off (KVJAX_CACHE_DIR=off)" if root is None else str(root),
+      "cache directory": describe_cache(),
   }
 
 

@@ -170,6 +170,10 @@ def _prefill_chunk(
   return shards.rows(last_logits, cache.mesh), shards.constrain(cache), peak
 
 
+def _prefill_chunk_returns(params, cache, last_logits, peak, *_):
+  return last_logits, cache, peak  # `_prefill_chunk`'s output structure (`compiled`)
+
+
 @struct.dataclass
 class _Decoding:
   state: State
@@ -261,6 +265,10 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     )
 
   return _laid_out(jax.lax.while_loop(cond, body, decoding))
+
+
+def _decode_returns(params, decoding, *_):
+  return decoding  # `_decode`'s output structure (`compiled`)
 
 
 def _laid_out(tree):
@@ -480,7 +488,9 @@ def decode(
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
-  steps = compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args)
+  steps = compiled(
+      _decode, {"graphdef": graphdef, "evict": evict}, *args, returns=_decode_returns
+  )
   start = time.perf_counter()
   decoding = jax.block_until_ready(steps(*args))
   seconds = time.perf_counter() - start
@@ -645,7 +655,7 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
         key,
         shards.replicated(np.uint32(int(starts.max()) + offset), mesh),
     )
-    step = compiled(_prefill_chunk, statics, *args)
+    step = compiled(_prefill_chunk, statics, *args, returns=_prefill_chunk_returns)
     last_logits, cache, peak = step(*args)
     if progress is not None:
       progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))

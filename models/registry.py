@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from .cache_dir import private_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # name -> (module whose package dir ships the file, file name). Located, never imported.
@@ -76,30 +78,20 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
 
   With `cache`, the converted weights are kept in kvjax's cache directory
   ($KVJAX_CACHE_DIR/weights, see `models.weight_cache`): the first load converts and
-  stores them, later loads read them back (several times faster for a quantised GGUF)."""
+  stores them, later loads read them back (several times faster for a quantised GGUF).
+  A cache directory that is not private to this user is not used (`models.cache_dir`)."""
   src = resolve_model(name_or_path)
-  root = cache_root() if cache else None
-  if root is None:
+  weights = private_dir("weights") if cache else None
+  if weights is None:
     return _convert(src)
   from . import weight_cache
 
-  entry = weight_cache.entry_dir(root, src)
+  entry = weight_cache.entry_dir(weights, src)
   loaded = weight_cache.load(entry)
   if loaded is None:
     loaded = _convert(src)
     weight_cache.store(entry, src, *loaded)
   return loaded
-
-
-def cache_root() -> Path | None:
-  """kvjax's cache directory: $KVJAX_CACHE_DIR, else kvjax under $XDG_CACHE_HOME or
-  ~/.cache; None when KVJAX_CACHE_DIR=off (`kvjax.config.cache_dir` returns this)."""
-  chosen = os.environ.get("KVJAX_CACHE_DIR", "")
-  if chosen.lower() == "off":
-    return None
-  if chosen:
-    return Path(chosen).expanduser()
-  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvjax"
 
 
 def _convert(src: ModelSource):

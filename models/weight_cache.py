@@ -4,11 +4,13 @@ checkpoint read) once, and later loads read the float32 arrays back.
   <cache dir>/weights/<name>-<key>/      one orbax-checkpoint composite checkpoint
     params/   StandardSave: the canonical float32 params (see the `models` docstring)
     meta/     JsonSave: format, source files, ModelConfig, tokenizer (JSON, special ids,
-              chat template) and a SHA-256 of the params
+              chat template), a SHA-256 of the params, and an HMAC of all of it keyed by
+              this user's cache key (`models.cache_dir`)
 
-`key` digests the source files' paths, sizes and modification times, so an edited or
-replaced file is converted again. A cache entry that does not read back whole (a
-truncated file, a digest that does not match) is converted again, never used.
+`key` digests the source files' contents (SHA-256, ~0.2 s for the default model's 98 MB),
+so an edited or replaced file is converted again. An entry is used only when its HMAC
+checks (checked before its params are read: an entry someone else wrote is never read)
+and its params match their digest; otherwise it is converted again and replaced.
 """
 
 from __future__ import annotations
@@ -24,21 +26,36 @@ from pathlib import Path
 
 import numpy as np
 
+from . import cache_dir
 from .config import ModelConfig, check_params
 from .registry import ModelSource
 
-FORMAT = "kvjax-weights/1"
+FORMAT = "kvjax-weights/2"
 
 
-def entry_dir(root: Path, source: ModelSource) -> Path:
-  """Where `source`'s converted weights live under the cache directory `root`."""
+def entry_dir(weights: Path, source: ModelSource) -> Path:
+  """Where `source`'s converted weights live in the weight cache directory `weights`."""
   files = [source.path] if source.kind == "gguf" else sorted(source.path.iterdir())
   digest = hashlib.sha256(f"{FORMAT};{source.kind};{source.path.resolve()};".encode())
   for f in files:
     if f.is_file():
-      stat = f.stat()
-      digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-  return Path(root) / "weights" / f"{source.name}-{digest.hexdigest()[:16]}"
+      digest.update(f"{f.name}:{_file_digest(f)};".encode())
+  return Path(weights) / f"{source.name}-{digest.hexdigest()[:32]}"
+
+
+def _file_digest(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 22):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _tag_pieces(path: Path, meta: dict) -> tuple[bytes, bytes]:
+  """What an entry's HMAC covers: its name and its metadata (which holds its params'
+  digest), as JSON gives the metadata back."""
+  body = json.dumps({k: v for k, v in meta.items() if k != "tag"}, sort_keys=True)
+  return path.name.encode(), body.encode()
 
 
 def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
@@ -65,6 +82,8 @@ def load(path: Path):
       meta = checkpointer.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
       if meta.get("format") != FORMAT:
         return None  # written by another kvjax: convert again
+      if not cache_dir.verify(meta.get("tag"), "weights", *_tag_pieces(path, meta)):
+        raise ValueError("its metadata is not authenticated by this user's cache key")
       target = {k: np.zeros(shape, np.float32) for k, shape in meta["shapes"].items()}
       params = checkpointer.restore(
           path, ocp.args.Composite(params=ocp.args.StandardRestore(target))
@@ -107,7 +126,8 @@ def store(path: Path, source: ModelSource, config: ModelConfig, params, tokenize
           "chat_template": tokenizer.chat_template,
       },
   }
-  json.dumps(meta)  # fails here, not half-way through a save
+  meta = json.loads(json.dumps(meta))  # fails here, not half-way; and as a load reads it
+  meta["tag"] = cache_dir.tag("weights", *_tag_pieces(path, meta))
   staging = None
   try:
     path.parent.mkdir(parents=True, exist_ok=True)

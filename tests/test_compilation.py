@@ -1,6 +1,6 @@
 """kvjax.compilation: steps kept in the process, stored on disk, loaded without tracing."""
 
-import pickle
+import json
 
 import jax
 import kvjax
@@ -66,8 +66,21 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(store, monkeypatch):
   _as_a_new_process()
   again, traces = _traced_generate(monkeypatch, model)
   assert traces and again.stats["loaded"] == 0 and again.tokens == first.tokens
-  for path in store.glob("*.bin"):
-    assert pickle.loads(path.read_bytes())[0] == compilation._STORE_FORMAT
+  for path in store.glob("*.bin"):  # replaced by authenticated entries of this format
+    header = json.loads(path.read_bytes().partition(b"\n")[0])
+    assert header["format"] == compilation._STORE_FORMAT and len(header["tag"]) == 64
+
+
+def test_entries_another_key_made_are_compiled_again(store, monkeypatch, tmp_path):
+  """A store someone else filled (here: under another user's key) is never loaded."""
+  model = tiny_llama()
+  first, _ = _traced_generate(monkeypatch, model)
+  made = {p: p.read_bytes() for p in store.glob("*.bin")}
+  monkeypatch.setenv("KVJAX_CACHE_KEY_FILE", str(tmp_path / "another.key"))
+  _as_a_new_process()
+  again, traces = _traced_generate(monkeypatch, model)
+  assert traces and again.stats["loaded"] == 0 and again.tokens == first.tokens
+  assert all(path.read_bytes() != data for path, data in made.items())  # rebuilt
 
 
 def test_a_step_in_jax_cache_is_compiled_afresh_for_the_store(store, monkeypatch):
