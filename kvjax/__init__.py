@@ -18,6 +18,7 @@ The session API (any model with the seam of `kvjax.seam`):
 
 from kvjax.cache import (
     CacheError,
+    NumericsError,
     PagedKVCache,
     PageTable,
     Slot,
@@ -60,6 +61,7 @@ __all__ = [
     "Generation",
     "GenerationResult",
     "ModelShape",
+    "NumericsError",
     "PageTable",
     "PagedKVCache",
     "Sampling",

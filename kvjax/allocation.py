@@ -30,6 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from kvjax import _files
+from kvjax.fingerprint import model_fingerprint
 
 FORMAT = "kvjax-head-allocation/1"
 LOG_FLOOR = 1e-12  # scores at or below it rank equally (kvzip's max attention can be ~0)
@@ -53,7 +54,7 @@ class HeadAllocation:
   log_scores: bool
   scale: float
   model: str
-  fingerprint: str  # `kvjax.seam.model_fingerprint` of that model
+  fingerprint: str  # `kvjax.fingerprint.model_fingerprint` of that model
   metrics: dict = dataclasses.field(default_factory=dict)
   path: str | None = None  # the directory it was loaded from or saved to
 
@@ -91,8 +92,6 @@ class HeadAllocation:
 
   def check_model(self, model) -> None:
     """ValueError unless `model` is the model this allocation was learned for."""
-    from kvjax.seam import model_fingerprint  # the seam imports the policies, which import spec
-
     c = model.config
     if (c.n_layers, c.n_kv_heads) != self.shape or model_fingerprint(model) != self.fingerprint:
       name = getattr(c, "name", type(model).__name__)

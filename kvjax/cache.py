@@ -71,10 +71,22 @@ class Status(enum.IntFlag):
   OVER_CAPACITY = 2  # an append would pass max_tokens; that append was dropped
   OVER_BUDGET = 4  # protected tokens alone exceed the budget; the cache kept them
   OVER_CHUNK = 8  # with OUT_OF_PAGES: the failed append was longer than the pool's `chunk`
+  NONFINITE_LOGITS = 16  # the model gave NaN/Inf logits for a row; decoding stopped there
+  NONFINITE_SCORES = 32  # a policy scored tokens NaN/±inf; NaN and -inf were evicted first
+
+
+# Bits that are reported (a warning) while the work goes on; every other bit stops it.
+WARNINGS = Status.OVER_BUDGET | Status.NONFINITE_SCORES
 
 
 class CacheError(RuntimeError):
   """A cache operation inside jit failed; raised on the host by `check_status`."""
+
+
+class NumericsError(RuntimeError):
+  """The model gave non-finite logits (NaN or Inf: a broken checkpoint, an overflow in a
+  low-precision dtype): a token drawn from them would be a silent wrong answer. Raised on
+  the host after the compiled step, naming the step and the rows."""
 
 
 @struct.dataclass
@@ -123,6 +135,11 @@ class PagedKVCache:
       raised = ((status[:, None] >> bit) & 1).max(axis=0)
       return (raised << bit).sum().astype(jnp.int32)
     return status
+
+  def raise_status(self, raised: Bool[Array, ""], bit: Status) -> "PagedKVCache":
+    """The cache with `bit` set in its status where `raised` (traced) holds."""
+    status = self.pages.status | jnp.where(raised, jnp.int32(bit), jnp.int32(0))
+    return self.replace(pages=self.pages.replace(status=status))
 
   def slot(self, name: str) -> Array:
     """The per-slot array `name` ([P, S]); KeyError naming the declared slots."""
@@ -535,8 +552,12 @@ def free_stack(num_pages: int, num_live: int) -> np.ndarray:
 
 
 def check_status(cache: PagedKVCache) -> None:
-  """Raises `CacheError` for failures recorded inside jit; warns when over budget."""
+  """Raises `CacheError` (`NumericsError`) for failures recorded inside jit; warns when over
+  budget or when a policy's scores were not finite. The session API checks non-finite
+  logits itself first, to name the step and rows."""
   status = Status(int(cache.status))
+  if status & Status.NONFINITE_LOGITS:
+    raise NumericsError("the model gave non-finite logits (NaN or Inf)")
   if status & Status.OUT_OF_PAGES and status & Status.OVER_CHUNK:
     raise CacheError(
         f"out of pages: the pool of {cache.num_pages} pages was sized for appends of "
@@ -558,5 +579,11 @@ def check_status(cache: PagedKVCache) -> None:
     warnings.warn(
         f"protected tokens exceed budget={cache.config.budget}; they were kept and the "
         "cache holds more than its budget",
+        stacklevel=2,
+    )
+  if status & Status.NONFINITE_SCORES:
+    warnings.warn(
+        "the policy scored some tokens NaN or infinite; NaN and -inf ones were evicted "
+        "first, +inf ones last (a broken scorer or an overflow: check the policy)",
         stacklevel=2,
     )

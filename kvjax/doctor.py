@@ -213,7 +213,8 @@ def _tiny_learned(model):
   default model's)."""
   from kvjax.policies import Learned
   from kvjax.scorer import Scorer
-  from kvjax.seam import ModelShape, model_fingerprint
+  from kvjax.fingerprint import model_fingerprint
+  from kvjax.seam import ModelShape
 
   shape, rng = ModelShape.of(model), np.random.default_rng(0)
   d = model.config.d_model

@@ -110,15 +110,21 @@ def evict(
 
   def run(cache):
     g = cfg.group_size
-    importance = group_importance(scores, g, protection_mask(cache), cfg.group_reduce, impl=impl)
+    protected = protection_mask(cache)
+    importance = group_importance(scores, g, protected, cfg.group_reduce, impl=impl)
+    guarded = protected.reshape(*importance.shape, g).any(-1)  # groups that never go
+    # A NaN or -inf score says nothing for its token: those groups go first (and the host
+    # hears of it), +inf ones last; guarded groups rank after everything (NaN sorts last).
+    nonfinite = ~guarded & ~jnp.isfinite(importance) & needs[..., None]
+    rank = jnp.where(jnp.isnan(importance), -jnp.inf, importance)
+    rank = jnp.where(guarded, jnp.nan, rank)
     n_evict = jnp.where(needs, -(-(cache.length - budget) // g), 0)  # [L, B, H]
-    # Protected groups (+inf) never go; -inf/NaN scores take their places and stay.
-    evicted = lowest(importance, n_evict) & jnp.isfinite(importance)
-    short = (evicted.sum(-1) < n_evict).any()
-    status = cache.status | jnp.where(short, Status.OVER_BUDGET, 0).astype(jnp.int32)
+    evicted = lowest(rank, n_evict) & ~guarded
+    short = (evicted.sum(-1) < n_evict).any()  # protected tokens alone pass the budget
     apply = _evict_pages if g > 1 else _evict_tokens
     cache = apply(cache, evicted)
-    return cache.replace(pages=cache.pages.replace(status=status))
+    cache = cache.raise_status(short, Status.OVER_BUDGET)
+    return cache.raise_status(nonfinite.any(), Status.NONFINITE_SCORES)
 
   return jax.lax.cond(needs.any(), run, lambda c: c, cache)
 

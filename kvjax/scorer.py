@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from kvjax import _files
+from kvjax.fingerprint import model_fingerprint
 
 FORMAT = "kvjax-learned-scorer/1"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -47,6 +48,10 @@ class Scorer:
       raise ValueError(
           f"scorer weight must be [L, d, H] and bias [L, H], got {weight.shape} and {bias.shape}"
       )
+    for name, x in (("weight", weight), ("bias", bias)):
+      bad = int((~np.isfinite(x)).sum())
+      if bad:  # a scorer with NaN/Inf scores every token NaN: eviction would be arbitrary
+        raise ValueError(f"scorer {name} holds {bad} non-finite values (NaN or Inf)")
     object.__setattr__(self, "weight", weight)
     object.__setattr__(self, "bias", bias)
     digest = hashlib.sha256(weight.tobytes() + bias.tobytes() + self.fingerprint.encode())
@@ -82,8 +87,6 @@ class Scorer:
 
   def check_model(self, model) -> None:
     """ValueError unless `model` is the model this scorer was trained for."""
-    from kvjax.seam import model_fingerprint  # the seam imports the policies, which import this
-
     shape = (model.config.n_layers, model.config.n_kv_heads)
     if (
         shape != (self.num_layers, self.num_kv_heads)
@@ -117,13 +120,16 @@ class Scorer:
   def load(cls, path: str | os.PathLike) -> "Scorer":
     """A scorer saved by `save`; ValueError naming the path when it is not one."""
     params, meta = _files.read_params(path, what="trained kvjax scorer", fmt=FORMAT)
-    return cls(
-        weight=params["weight"],
-        bias=params["bias"],
-        model=meta["model"],
-        fingerprint=meta["fingerprint"],
-        metrics=meta.get("metrics", {}),
-    )
+    try:
+      return cls(
+          weight=params["weight"],
+          bias=params["bias"],
+          model=meta["model"],
+          fingerprint=meta["fingerprint"],
+          metrics=meta.get("metrics", {}),
+      )
+    except ValueError as err:
+      raise ValueError(f"{pathlib.Path(path).absolute()}: not a usable scorer: {err}") from None
 
 
 def normalise(hidden: Float[Array, "... d"]) -> Float[Array, "... d"]:

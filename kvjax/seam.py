@@ -26,16 +26,15 @@ scratch that plugs in.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
 from kvjax.cache import PagedKVCache, append_layer
+from kvjax.fingerprint import model_fingerprint  # noqa: F401 - as kvjax.seam.model_fingerprint
 from kvjax.policies import AttentionStats, Policy
 from kvjax.sharding import DATA, MODEL, on_shards
 from pallas_kernels.paged_attention import paged_attention
@@ -222,16 +221,3 @@ def forward(
     if logits_at is not None:
       logits = logits[jnp.arange(b), logits_at]
   return logits, cache
-
-
-def model_fingerprint(model) -> str:
-  """A digest of a model's architecture and weights: the parameter paths, shapes and dtypes
-  and the first values of every parameter. Same checkpoint, same fingerprint, in any
-  process; another model (or other weights) gives another one."""
-  digest = hashlib.sha256()
-  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-  for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
-    digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
-    head = np.asarray(jnp.ravel(leaf)[:1024], np.float32)
-    digest.update(np.round(head, 5).tobytes())  # rounded: identical across backends
-  return digest.hexdigest()[:32]

@@ -29,6 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import (
     NULL_PAGE,
+    WARNINGS,
+    NumericsError,
     PagedKVCache,
     Status,
     check_status,
@@ -161,6 +163,8 @@ def _prefill_chunk(
       segment=segment,
       attention_impl=plan.impl,
   )
+  # A row's next token comes from these logits: NaN or Inf stops the request (on the host).
+  cache = cache.raise_status(_nonfinite(logits, ends_here), Status.NONFINITE_LOGITS)
   # The sum in the carried dtype: an int64 sum (jax_enable_x64) would change the next
   # chunk's argument types and compile the step again.
   peak = jnp.maximum(peak, cache.pages_in_use().sum(dtype=peak.dtype))
@@ -168,6 +172,23 @@ def _prefill_chunk(
     cache = _evict(plan.eviction, cache, jax.random.fold_in(key, key_offset))
   last_logits = jnp.where(ends_here[:, None], logits, last_logits)
   return shards.rows(last_logits, cache.mesh), shards.constrain(cache), peak
+
+
+def _nonfinite(logits: Float[Array, "B V"], rows: Bool[Array, " B"]) -> Bool[Array, ""]:
+  """Whether any of `rows` has a NaN or Inf among its logits."""
+  return (rows & ~jnp.isfinite(logits).all(-1)).any()
+
+
+def _check(cache: PagedKVCache, logits, step: str) -> None:
+  """`check_status`, after raising `NumericsError` for non-finite logits with the rows."""
+  if Status(int(cache.status)) & Status.NONFINITE_LOGITS:
+    rows = np.flatnonzero(~np.isfinite(shards.to_host(logits)).all(-1)).tolist()
+    raise NumericsError(
+        f"{step}: the model gave non-finite logits (NaN or Inf) for rows {rows}; a token "
+        "drawn from them would be meaningless (a broken checkpoint, or an overflow in a "
+        "low-precision dtype: try float32)"
+    )
+  check_status(cache)
 
 
 def _prefill_chunk_returns(params, cache, last_logits, peak, *_):
@@ -218,7 +239,7 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     return ~d.state.done & (d.num_generated < max_new)
 
   def cond(d: _Decoding):
-    ok = d.state.cache.status & ~Status.OVER_BUDGET == 0
+    ok = d.state.cache.status & ~WARNINGS == 0
     return live(d).any() & ok
 
   def body(d: _Decoding):
@@ -244,6 +265,8 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
         policy=_policy(plan),
         attention_impl=plan.impl,
     )
+    # Rows whose new logits are not finite stop the loop with them (`cond`), undrawn.
+    cache = cache.raise_status(_nonfinite(logits[:, 0], emit), Status.NONFINITE_LOGITS)
     peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
     if eviction is not None:
       cache = _evict(eviction, cache, evict_key)
@@ -417,7 +440,7 @@ def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False
       encoded, segment=[[s + offset if s else 0 for s in row] for row in encoded.segment]
   )
   state = _fit(state, shape, int(encoded.lengths.max()), donate)
-  return _prefill(model, state, encoded, jax.random.fold_in(state.key, 1))
+  return _prefill(model, state, encoded, jax.random.fold_in(state.key, 1), step="extend")
 
 
 def decode(
@@ -494,7 +517,7 @@ def decode(
   start = time.perf_counter()
   decoding = jax.block_until_ready(steps(*args))
   seconds = time.perf_counter() - start
-  check_status(decoding.state.cache)
+  _check(decoding.state.cache, decoding.state.logits, "decode")
   num_generated = shards.to_host(decoding.num_generated)
   all_tokens, stopped = shards.to_host(decoding.tokens), shards.to_host(decoding.stopped)
   after = compile_stats()
@@ -621,9 +644,11 @@ def _check_state(state):
     raise TypeError(f"state must be a kvjax.State (from kvjax.prefill), got {type(state).__name__}")
 
 
-def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -> State:
+def _prefill(
+    model, state: State, encoded: EncodedPrompts, key, progress=None, step: str = "prefill"
+) -> State:
   """Chunked prefill of `encoded` after each row's current position (donates `state`);
-  `progress(tokens_read, tokens_total)` after each chunk."""
+  `progress(tokens_read, tokens_total)` after each chunk; `step` names it in errors."""
   plan, chunk = state.plan, state.plan.chunk
   graphdef, params = nnx.split(model)
   lengths = encoded.lengths
@@ -655,11 +680,11 @@ def _prefill(model, state: State, encoded: EncodedPrompts, key, progress=None) -
         key,
         shards.replicated(np.uint32(int(starts.max()) + offset), mesh),
     )
-    step = compiled(_prefill_chunk, statics, *args, returns=_prefill_chunk_returns)
-    last_logits, cache, peak = step(*args)
+    run_chunk = compiled(_prefill_chunk, statics, *args, returns=_prefill_chunk_returns)
+    last_logits, cache, peak = run_chunk(*args)
     if progress is not None:
       progress(min(offset + chunk, int(lengths.max())), int(lengths.max()))
-  check_status(cache)
+  _check(cache, last_logits, step)
   added = lengths > 0
   state = state.replace(
       cache=cache,
@@ -836,7 +861,9 @@ def _reconstruct(
   for start in range(0, longest, chunk):
     piece = [prompt + row[start : start + chunk] for row in encoded.ids]
     piece = EncodedPrompts(piece, [[False] * len(r) for r in piece], [[0] * len(r) for r in piece])
-    state = _prefill(model, state, piece, jax.random.fold_in(state.key, start))
+    state = _prefill(
+        model, state, piece, jax.random.fold_in(state.key, start), step=f"{policy.name} scoring"
+    )
     state = state.replace(cache=_truncate(state.cache, context_length), position=position)
   return state.replace(logits=logits, plan=plan)
 

@@ -109,6 +109,53 @@ def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0
   return Llama.from_params(config, params, dtype=dtype)
 
 
+def tiny_hf_checkpoint(path, seed: int = 0, nan: bool = False):
+  """A Hugging Face Llama checkpoint directory of one layer with random weights and an
+  8-token BPE tokenizer ("<>abcdef"), for tests of the loaders and the CLI; `nan` puts NaN
+  in the final norm (every logit NaN). Returns the directory."""
+  import json
+  import pathlib
+
+  import tokenizers
+  from safetensors.numpy import save_file
+
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  v, d, f = 8, 4, 6
+  config = {
+      "model_type": "llama",
+      "vocab_size": v,
+      "hidden_size": d,
+      "intermediate_size": f,
+      "num_hidden_layers": 1,
+      "num_attention_heads": 2,
+      "tie_word_embeddings": True,
+      "bos_token_id": 0,
+      "eos_token_id": 1,
+  }
+  (path / "config.json").write_text(json.dumps(config))
+  names = {
+      "model.embed_tokens.weight": (v, d),
+      "model.norm.weight": (d,),
+      "model.layers.0.input_layernorm.weight": (d,),
+      "model.layers.0.post_attention_layernorm.weight": (d,),
+      **{f"model.layers.0.self_attn.{p}_proj.weight": (d, d) for p in "qkvo"},
+      "model.layers.0.mlp.gate_proj.weight": (f, d),
+      "model.layers.0.mlp.up_proj.weight": (f, d),
+      "model.layers.0.mlp.down_proj.weight": (d, f),
+  }
+  rng = np.random.default_rng(seed)
+  tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in names.items()}
+  if nan:
+    tensors["model.norm.weight"][0] = np.nan
+  save_file(tensors, path / "model.safetensors")
+  vocab = {c: i for i, c in enumerate("<>abcdef")}
+  tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[])).save(
+      str(path / "tokenizer.json")
+  )
+  return path
+
+
 def assert_compressed_once(state, context_length: int, *, row: int = 0) -> None:
   """A context compressed once under a shared budget: the row holds exactly its L x H x
   budget tokens (ties go to the earlier token), its sequences keep different amounts, the

@@ -24,7 +24,7 @@ from flax import nnx
 
 from kvjax.eval._data import text_windows
 from kvjax.scorer import Scorer, normalise
-from kvjax.seam import model_fingerprint
+from kvjax.fingerprint import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.spec import CompressionSpec
 

@@ -249,7 +249,8 @@ def paged_attention_live_blocks(
   m_i, l_i, acc = jax.lax.fori_loop(whole_blocks, live_blocks, masked_block, carry)
   # Padding queries saw the whole blocks too: they see nothing (zeros, lse +inf).
   query = jnp.arange(t)[None, :] < num_queries[:, None]  # [B, T]
-  seen = jnp.repeat(query[:, None, :], g, axis=2) & (l_i > 0)  # [B, Hkv, T*G]
+  # l_i == 0: nothing visible. NaN (a NaN key or value) stays NaN in the output, never zeros.
+  seen = jnp.repeat(query[:, None, :], g, axis=2) & (l_i != 0)  # [B, Hkv, T*G]
   out = jnp.where(seen[..., None], acc / jnp.where(seen, l_i, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), jnp.inf)
   return _per_query(out, t).astype(q.dtype), _per_query(lse, t)
@@ -329,7 +330,7 @@ def _paged_attention_kernel(
   @pl.when(i == pl.num_programs(2) - 1)
   def _finish():
     l = l_ref[...]
-    live = l > 0.0
+    live = l != 0.0  # NaN (from a NaN key or value) stays NaN, never zeros
     safe_l = jnp.where(live, l, 1.0)
     out_ref[...] = jnp.where(live, acc_ref[...] / safe_l, 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(live, m_ref[...] + jnp.log(safe_l), jnp.inf)
@@ -518,7 +519,7 @@ def _paged_attention_gpu_kernel(
       jnp.zeros((gp, d), jnp.float32),
   )
   m, l, acc = jax.lax.fori_loop(first, stop, body, init)  # no trip past the live blocks
-  live = l > 0.0
+  live = l != 0.0  # NaN (from a NaN key or value) stays NaN, never zeros
   safe_l = jnp.where(live, l, 1.0)
   out_ref[b, h, split] = jnp.where(live[:, None], acc / safe_l[:, None], 0.0)
   lse_ref[b, h, split] = jnp.where(live, m + jnp.log(safe_l), -jnp.inf)
@@ -587,7 +588,7 @@ def paged_attention_pallas_gpu(
   # Combine the splits (flash-decoding): weights exp(lse_s - lse); empty splits weigh 0.
   out_s, lse_s = out_s[..., :g, :], lse_s[..., :g]  # [B, Hkv, splits, G, D], [.., G]
   m_max = lse_s.max(axis=2)  # [B, Hkv, G]
-  seen = m_max > -jnp.inf
+  seen = m_max != -jnp.inf  # NaN stays NaN
   shift = jnp.where(seen, m_max, 0.0)
   weight = jnp.exp(lse_s - shift[:, :, None])  # [B, Hkv, splits, G]
   total = weight.sum(axis=2)

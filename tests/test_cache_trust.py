@@ -12,11 +12,10 @@ import warnings
 
 import numpy as np
 import pytest
-import tokenizers
-from safetensors.numpy import save_file
 
 import models
 from kvjax.config import cache_dir
+from kvjax.testing import tiny_hf_checkpoint
 from models import cache_dir as private_cache
 from models import weight_cache
 
@@ -31,44 +30,6 @@ class _Plant:
 
   def __reduce__(self):
     return os.mkdir, (self.marker,)
-
-
-def tiny_checkpoint(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
-  """A Hugging Face Llama checkpoint of one layer with random weights."""
-  path.mkdir(parents=True, exist_ok=True)
-  v, d, f = 8, 4, 6
-  config = {
-      "model_type": "llama",
-      "vocab_size": v,
-      "hidden_size": d,
-      "intermediate_size": f,
-      "num_hidden_layers": 1,
-      "num_attention_heads": 2,
-      "tie_word_embeddings": True,
-      "bos_token_id": 0,
-      "eos_token_id": 1,
-  }
-  (path / "config.json").write_text(json.dumps(config))
-  names = {
-      "model.embed_tokens.weight": (v, d),
-      "model.norm.weight": (d,),
-      "model.layers.0.input_layernorm.weight": (d,),
-      "model.layers.0.post_attention_layernorm.weight": (d,),
-      **{f"model.layers.0.self_attn.{p}_proj.weight": (d, d) for p in "qkvo"},
-      "model.layers.0.mlp.gate_proj.weight": (f, d),
-      "model.layers.0.mlp.up_proj.weight": (f, d),
-      "model.layers.0.mlp.down_proj.weight": (d, f),
-  }
-  rng = np.random.default_rng(seed)
-  save_file(
-      {k: rng.standard_normal(s).astype(np.float32) for k, s in names.items()},
-      path / "model.safetensors",
-  )
-  vocab = {c: i for i, c in enumerate("<>abcdef")}
-  tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[])).save(
-      str(path / "tokenizer.json")
-  )
-  return path
 
 
 @pytest.fixture
@@ -120,7 +81,7 @@ def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
       **os.environ,
       "KVJAX_CACHE_DIR": str(root),
       "KVJAX_CACHE_KEY_FILE": str(tmp_path / "cache.key"),
-      "CHECKPOINT": str(tiny_checkpoint(tmp_path / "ckpt")),
+      "CHECKPOINT": str(tiny_hf_checkpoint(tmp_path / "ckpt")),
   }
   first = _run(env)
   assert first["loaded"] == 0 and first["jax_cache_hits"] == 0 and not first["warnings"]
@@ -204,7 +165,7 @@ def test_the_cache_can_be_turned_off(monkeypatch):
 
 def test_converted_weights_are_keyed_on_the_source_content(private, tmp_path):
   """Same size and modification time, other bytes: converted again, never the old entry."""
-  ckpt = tiny_checkpoint(tmp_path / "ckpt")
+  ckpt = tiny_hf_checkpoint(tmp_path / "ckpt")
   _, first, _ = models.load_model(ckpt)
   weights = private / "weights"
   assert len(list(weights.iterdir())) == 1
@@ -224,7 +185,7 @@ def test_converted_weights_are_keyed_on_the_source_content(private, tmp_path):
 def test_converted_weights_another_key_wrote_are_converted_again(private, tmp_path, monkeypatch):
   """An entry with a valid digest but no tag of this user's key (someone else wrote it, with
   weights of their choice) is never read back."""
-  ckpt = tiny_checkpoint(tmp_path / "ckpt")
+  ckpt = tiny_hf_checkpoint(tmp_path / "ckpt")
   source = models.resolve_model(ckpt)
   config, params, tokenizer = models.load_model(ckpt)
   entry = weight_cache.entry_dir(private / "weights", source)

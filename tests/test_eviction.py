@@ -137,3 +137,23 @@ def test_lowest_hand_case():
   assert lowest(x, 3).tolist() == [[False, True, False, True, True, False]]
   assert lowest(x, 4).tolist() == [[False, True, True, True, True, False]]
   assert lowest(x, 0).tolist() == [[False] * 6]
+
+
+def test_non_finite_scores_are_evicted_first_and_reported():
+  """NaN and -inf scores say nothing for their tokens: they go first (+inf ones last), the
+  status says so, and the host warning names the scores, not protected tokens."""
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=32, budget=6, sink=1, group_size=1)
+  cache = _filled(cfg, 12)
+  scores = np.array([0, 5, np.nan, 6, -np.inf, 7, 8, np.inf, 9, 4, 3, 2] + [0] * 20, np.float32)
+  evicted = kvjax.evict(cache, scores=jnp.asarray(scores)[None, None, None])
+  # Kept: the sink, then the 5 best by rank (NaN, -inf lowest; +inf highest).
+  assert _positions(evicted) == [0, 3, 5, 6, 7, 8]
+  status = kvjax.Status(int(evicted.status))
+  assert status & kvjax.Status.NONFINITE_SCORES and not status & kvjax.Status.OVER_BUDGET
+  with pytest.warns(UserWarning, match="scored some tokens NaN or infinite") as caught:
+    kvjax.check_status(evicted)
+  assert not any("protected tokens" in str(w.message) for w in caught)
+  assert_cache_invariants(evicted)
+  finite = jnp.nan_to_num(jnp.asarray(scores), posinf=1.0, neginf=0.0)
+  finite = kvjax.evict(cache, scores=finite[None, None, None])
+  assert not kvjax.Status(int(finite.status)) & kvjax.Status.NONFINITE_SCORES

@@ -109,6 +109,31 @@ def test_padding_queries_and_generic_interpreter():
   assert np.isinf(np.asarray(lse)[1]).all() and np.isfinite(np.asarray(lse)[0]).all()
 
 
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_nan_in_a_live_key_or_value_reaches_the_output(where):
+  """A NaN model's K/V must not be dropped as if masked (zeros: a silent wrong answer): every
+  implementation gives NaN for the queries that read it, finite values elsewhere."""
+  args = list(paged_problem(11, 8, 2, 3, [13, 20], 3, 64))
+  table = np.asarray(args[3])
+  pool = np.array(args[1 if where == "k" else 2])
+  pool[table[0, 0, 1], 2] = np.nan  # row 0, kv head 0, slot 10 (live)
+  args[1 if where == "k" else 2] = jnp.asarray(pool)
+  outputs = {
+      "reference": jitted(paged_attention_reference)(*args)[0],
+      "live blocks": jitted(pa.paged_attention_live_blocks, block_tokens=8)(*args)[0],
+      "pallas": jitted(paged_attention, impl="pallas", interpret=kernel_interpret(gpu_variant=True))(
+          *args
+      )[0],
+      "gpu variant": jitted(paged_attention_pallas_gpu, interpret=gpu_interpret(), num_splits=2)(
+          *args
+      )[0],
+  }
+  for name, out in outputs.items():
+    out = np.asarray(out)  # [B, 1, Hq, D]; query heads 0-2 read kv head 0
+    assert np.isnan(out[0, 0, :3]).all(), name
+    assert np.isfinite(out[0, 0, 3:]).all() and np.isfinite(out[1]).all(), name
+
+
 def test_hand_computed_tiny_case():
   # One kv head, one query head, d=1: logits = q * k / 1 = (0, log 3) -> probs (1/4, 3/4).
   if compiled_kernels() and jax.default_backend() == "gpu":

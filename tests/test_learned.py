@@ -238,3 +238,29 @@ def test_bad_scorer_and_training_arguments_are_clear_errors(tiny):
     with pytest.raises(ValueError, match=match):
       options = {"context_tokens": 128, **bad}
       training.train_scorer(model, tokenizer, [1] * 4000, model_name="x", **options)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
+  """Written by hand (as a damaged or hostile file would be): refused by name, never used."""
+  from kvjax import _files, scorer as scorer_module
+
+  weight = np.zeros((2, 4, 3), np.float32)
+  weight[1, 2, 0] = bad
+  meta = {
+      "format": scorer_module.FORMAT,
+      "model": "tiny",
+      "fingerprint": "x",
+      "num_layers": 2,
+      "hidden_size": 4,
+      "num_kv_heads": 3,
+      "metrics": {},
+  }
+  path = _files.write_params(
+      tmp_path / "s", {"weight": weight, "bias": np.zeros((2, 3), np.float32)}, meta,
+      overwrite=False,
+  )
+  with pytest.raises(ValueError, match=r"s: not a usable scorer: .*weight holds 1 non-finite"):
+    Scorer.load(path)
+  with pytest.raises(ValueError, match="non-finite"):
+    kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(path))

@@ -150,3 +150,36 @@ def test_cli_rejects_a_bad_spec_before_loading_the_model(capsys):
   assert cli.main(["generate", "hi", "--policy", "h2o", "--budget", "-5"]) == 2
   err = capsys.readouterr().err
   assert "budget must be a positive int" in err and "loading" not in err
+
+
+def test_the_fingerprint_reads_every_byte_of_every_weight(tmp_path):
+  """One weight far into a tensor, changed by one float32 ulp (invisible to a digest of the
+  first values, rounded): another fingerprint, and a state saved for the first model is
+  refused by the second."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from kvjax.fingerprint import model_fingerprint
+
+  model, other = kvjax.testing.tiny_llama(), kvjax.testing.tiny_llama()
+  assert model_fingerprint(model) == model_fingerprint(other)
+  name, param = max(_params(other), key=lambda item: item[1][...].size)
+  values = np.array(param[...])
+  assert values.size > 1024, name
+  flat = values.reshape(-1)
+  flat[-1] = np.nextafter(flat[-1], np.float32(np.inf))
+  param[...] = jnp.asarray(values)  # a new array: the cached fingerprint is not reused
+  assert model_fingerprint(other) != model_fingerprint(model)
+
+  state = kvjax.prefill(model, [[1, 2, 3, 4, 5]])
+  path = kvjax.save_state(tmp_path / "s", state, model)
+  with pytest.raises(kvjax.StateFileError, match="other weights"):
+    kvjax.load_state(path, other)
+
+
+def _params(model):
+  from flax import nnx
+
+  for path, param in nnx.iter_graph(model):
+    if isinstance(param, nnx.Param):
+      yield ".".join(map(str, path)), param

@@ -34,7 +34,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax import _files
-from kvjax.seam import ModelShape, model_fingerprint
+from kvjax.fingerprint import model_fingerprint
+from kvjax.seam import ModelShape
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _search
 from kvjax.tuning._spec_file import FORMAT, load_spec, spec_record

@@ -13,7 +13,8 @@ import optax
 from flax import nnx
 
 from kvjax.allocation import HeadAllocation, transform
-from kvjax.seam import ModelShape, model_fingerprint
+from kvjax.fingerprint import model_fingerprint
+from kvjax.seam import ModelShape
 from kvjax.session import prefill, scored_context
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _relax

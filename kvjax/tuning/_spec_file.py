@@ -81,7 +81,7 @@ def load_spec(path: str | os.PathLike, model=None) -> CompressionSpec:
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}: {e}") from None
   if model is not None:
-    from kvjax.seam import model_fingerprint
+    from kvjax.fingerprint import model_fingerprint
 
     if record.get("fingerprint") != model_fingerprint(model):
       name = getattr(model.config, "name", type(model).__name__)
