@@ -11,6 +11,15 @@ EXIT_USAGE = 2  # bad command line or input: nothing ran
 EXIT_FAILED = 1  # the run itself failed
 
 
+def _begin_work(args) -> None:
+  """Marks where a command's real work begins: its first computation or write, after every
+  check of the command line, the input files and the model. Before it, a ValueError,
+  TypeError or OSError is the user's input refused (exit 2: nothing ran); from it on, any
+  error is a failure of the run (exit 1), even a ValueError (a damaged saved state) or an
+  OSError (a full disk)."""
+  args.work_began = True
+
+
 class _HelpFormatter(argparse.HelpFormatter):
   """Adds "(default: X)" to an option's help unless it states its default already (flags
   whose default None means "not given" say what applies instead)."""
@@ -130,12 +139,18 @@ def spec_from_args(args, sweep: bool = False):
   return tuned.replace(**given)
 
 
-def check_spec_model(args, model) -> None:
-  """A tuned spec (`--spec`) must have been tuned for the model it runs with."""
+def check_spec_model(args, model, spec=None) -> None:
+  """A tuned spec (`--spec`) must have been tuned for the model it runs with; `spec`'s
+  policy (a learned scorer) and allocation must fit it too (checked here, before the work
+  begins, as a usage error: `kvjax.prefill` checks them too, once it runs)."""
   if getattr(args, "spec", None) is not None:
     from kvjax.tuning import load_spec
 
     load_spec(args.spec, model)
+  if spec is not None:
+    spec.policy.check_model(model)
+    if spec.allocation is not None:
+      spec.allocation.check_model(model)
 
 
 def _load(name: str):
@@ -172,7 +187,7 @@ def _read_prompt(args) -> str:
   if args.prompt == "-":
     from kvjax.eval import _data
 
-    return _data.decode_text(sys.stdin.buffer.read(), "stdin")
+    return _data.read_stream(sys.stdin.buffer, "stdin")
   return check_text(args.prompt, "the prompt")
 
 
@@ -217,7 +232,7 @@ def _generate(args) -> int:
   if not prompt.strip():
     raise ValueError("the prompt is empty")
   model, tokenizer = _load(args.model)
-  check_spec_model(args, model)
+  check_spec_model(args, model, spec)
   options = dict(
       max_new_tokens=args.max_new_tokens,
       sampling=sampling,
@@ -226,7 +241,12 @@ def _generate(args) -> int:
       progress=_prefill_bar(args),
       mesh=mesh,
   )
+  # A stream checks its arguments against the model (its context length) when it is made
+  # and runs nothing until it is read.
+  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=True, **options)
+  _begin_work(args)
   if args.json:
+    # Not the stream: --json decodes all tokens in one call, the stream one by one.
     result = kvjax.generate(model, tokenizer, [prompt], spec, **options)
     print(
         json.dumps(
@@ -239,7 +259,6 @@ def _generate(args) -> int:
         )
     )
     return 0
-  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=True, **options)
   for event in generation:
     sys.stdout.write(event.text)
     sys.stdout.flush()
@@ -338,6 +357,13 @@ def _evaluate(args) -> int:
     text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
   model, tokenizer = _load(args.model)
   check_spec_model(args, model)
+
+  def keep(partial):  # after each configuration: keep what finished
+    # _sweep.run checks every configuration and the data before the first runs, and
+    # records a configuration that crashes as a result: the first row is where work began.
+    _begin_work(args)
+    _report.write(partial, out, plot=False)
+
   ids, cases = None, records
   if records is not None:
     lengths = [max(len(tokenizer.encode(c["context"])) for c in records)]
@@ -359,7 +385,7 @@ def _evaluate(args) -> int:
       scorer=args.scorer,
       config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
       progress=_show_progress(args),
-      on_row=lambda partial: _report.write(partial, out, plot=False),  # keep what finished
+      on_row=keep,
   )
   written = _report.write(results, out)
   print(_report.markdown(results))
@@ -468,11 +494,16 @@ def _train_scorer(args) -> int:
     raise ValueError(f"--steps must be >= 1, got {args.steps}")
   text = _data.read_text(args.text) if args.text else _data.default_text()
   model, tokenizer = _load(args.model)
-
+  training.check_options(
+      model, context_tokens=args.context_tokens, windows=args.windows, held_out=args.held_out
+  )
+  ids = tokenizer.encode(text)
+  _data.text_windows(ids, args.context_tokens, 0, args.windows)  # the text is long enough
+  _begin_work(args)
   scorer = training.train_scorer(
       model,
       tokenizer,
-      tokenizer.encode(text),
+      ids,
       model_name=model.config.name,
       context_tokens=args.context_tokens,
       windows=args.windows,
@@ -512,9 +543,15 @@ def _prefill_and_save(args) -> int:
   if not text.strip():
     raise ValueError(f"--context {args.context} is empty")
   model, tokenizer = _load(args.model)
-  check_spec_model(args, model)
+  check_spec_model(args, model, spec)
   prompt = context_prompt(tokenizer, tokenizer.encode(text), args.chat)
   tokens = [t for segment in prompt for t in segment.text]  # ids (context_prompt encodes)
+  if len(tokens) > model.config.max_context:
+    raise ValueError(
+        f"--context {args.context} is {len(tokens)} tokens, longer than the model context "
+        f"{model.config.max_context}"
+    )
+  _begin_work(args)
   start = time.perf_counter()
   state = kvjax.prefill(
       model,
@@ -580,6 +617,7 @@ def _ask(args) -> int:
   start = time.perf_counter()
   model, tokenizer = _load(args.model or saved.get("model") or "smollm2-135m-instruct")
   model_seconds = time.perf_counter() - start
+  _begin_work(args)  # the state's arrays are read from here: a damaged one is a failure
   start = time.perf_counter()
   state = kvjax.load_state(args.state, model, tokenizer=tokenizer)
   load_seconds = time.perf_counter() - start
@@ -611,6 +649,7 @@ def _doctor(args) -> int:
 
   from kvjax import doctor
 
+  _begin_work(args)  # no input to check: everything is the run
   report = doctor.report()
   if not args.json:
     for key, value in report.items():
@@ -681,9 +720,14 @@ def _tune(args) -> int:
   model, tokenizer = _load(args.model)
   if args.task is not None:
     cases = _task_cases(args.task, tokenizer, args.context_tokens, args.items)
-  say = (
-      (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-  )
+
+  def say(line):
+    # tune() checks the target, the policies and the sample before its first line: the
+    # first line is where work began.
+    _begin_work(args)
+    if not args.quiet:
+      print(line, file=sys.stderr, flush=True)
+
   result = tune(
       model,
       tokenizer,
@@ -902,11 +946,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  """Runs a command: exit 0; 2 with one line for a bad command line or input (nothing
-  ran); 1 with one line when the run fails (KVJAX_DEBUG=1 shows the traceback)."""
+  """Runs a command: exit 0; 2 with one line for a bad command line or input, a
+  ValueError, TypeError or OSError raised before the command's work began (`_begin_work`:
+  nothing ran); 1 with one line for any error after it, when the run fails
+  (KVJAX_DEBUG=1 shows the traceback)."""
   import os
 
   args = build_parser().parse_args(argv)
+  args.work_began = False  # set by _begin_work
   try:
     return args.func(args)
   except KeyboardInterrupt:
@@ -916,7 +963,7 @@ def main(argv=None) -> int:
     if os.environ.get("KVJAX_DEBUG"):
       raise
     message = " ".join(str(err).split()) or type(err).__name__
-    if isinstance(err, (ValueError, TypeError, OSError)):
+    if not args.work_began and isinstance(err, (ValueError, TypeError, OSError)):
       print(f"kvjax {args.command}: error: {message}", file=sys.stderr)
       return EXIT_USAGE
     print(

@@ -11,9 +11,13 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import json
+import os
 import pathlib
 import re
-from collections.abc import Sequence
+import stat
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO
 
 import numpy as np
 
@@ -59,12 +63,42 @@ def default_text() -> str:
   return gzip.decompress(data.read_bytes()).decode("utf-8")
 
 
-def decode_text(raw: bytes, source: str) -> str:
+# Text read from a file or stdin at most (after decompression): a prompt, a context or an
+# eval text is far smaller, and a mistaken input (/dev/zero, a gzip bomb) must fail with one
+# line, never grow until MemoryError. KVJAX_MAX_TEXT_BYTES (bytes) sets another limit.
+MAX_TEXT_BYTES = 64 * 2**20
+MAX_TEXT_ENV = "KVJAX_MAX_TEXT_BYTES"
+_BLOCK = 2**20  # bytes read (or decompressed) at a time
+
+
+def max_text_bytes() -> int:
+  """The limit on text read: `MAX_TEXT_BYTES`, or KVJAX_MAX_TEXT_BYTES when it is set."""
+  raw = os.environ.get(MAX_TEXT_ENV, "").strip()
+  if not raw:
+    return MAX_TEXT_BYTES
+  try:
+    value = int(raw)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise ValueError(f"{MAX_TEXT_ENV} must be a number of bytes >= 1, got {raw!r}")
+  return value
+
+
+def _size(n: int) -> str:
+  return f"{n / 2**20:g} MiB" if n % 2**20 == 0 else f"{n} bytes"
+
+
+def _binary(offset: int) -> str:
+  return f"binary (NUL byte at offset {offset}); pass UTF-8 text"
+
+
+def decode_text(raw: bytes | bytearray, source: str) -> str:
   """`raw` as UTF-8 text; ValueError naming `source` when it is binary or not UTF-8 (text
   read with replacement characters would give a silent wrong answer)."""
   nul = raw.find(b"\x00")
   if nul >= 0:
-    raise ValueError(f"{source} is binary (NUL byte at offset {nul}); pass UTF-8 text")
+    raise ValueError(f"{source} is {_binary(nul)}")
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError as err:
@@ -74,48 +108,141 @@ def decode_text(raw: bytes, source: str) -> str:
     ) from None
 
 
-def read_text(path: str | pathlib.Path) -> str:
-  """A UTF-8 text file (`.gz` is decompressed); ValueError when it is empty, binary or not
-  UTF-8."""
-  path = pathlib.Path(path)
+def _kind(mode: int) -> str | None:
+  """What a file that is not a regular file is (None for a regular file)."""
+  for test, name in (
+      (stat.S_ISDIR, "a directory"),
+      (stat.S_ISCHR, "a character device"),
+      (stat.S_ISBLK, "a block device"),
+      (stat.S_ISFIFO, "a FIFO (named pipe)"),
+      (stat.S_ISSOCK, "a socket"),
+  ):
+    if test(mode):
+      return name
+  return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _open_regular(path: pathlib.Path, cannot_read: str, refuse: Callable[[str], Exception]):
+  """`path` opened for reading in binary, refused unless it is a regular file: a device
+  (/dev/zero) or a pipe never ends, and a FIFO without a writer blocks the open."""
   try:
-    raw = path.read_bytes()
+    kind = _kind(os.stat(path).st_mode)
+    if kind is None:
+      # Non-blocking, and checked again on the open file, in case it changed in between.
+      fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+      kind = _kind(os.fstat(fd).st_mode)
+      if kind is not None:
+        os.close(fd)
   except OSError as err:
-    raise FileNotFoundError(f"cannot read text file {str(path)!r}: {err.strerror}") from None
-  if path.suffix == ".gz":
+    raise FileNotFoundError(f"cannot read {cannot_read}: {err.strerror}") from None
+  if kind is not None:
+    raise refuse(f"{kind}, not a regular file")
+  return os.fdopen(fd, "rb")
+
+
+def _blocks(
+    stream: BinaryIO, refuse: Callable[[str], Exception], *, compressed: bool = False
+) -> Iterator[bytes]:
+  """The bytes of `stream` block by block, at most `max_text_bytes()` of them; `refuse(why)`
+  is raised past that or at a NUL byte (binary input fails on its first block)."""
+  limit, total = max_text_bytes(), 0
+  while True:
     try:
-      raw = gzip.decompress(raw)
-    except (OSError, EOFError) as err:
-      raise ValueError(f"text file {str(path)!r} is not a valid .gz file: {err}") from None
-  text = decode_text(raw, f"text file {str(path)!r}")
+      block = stream.read(min(_BLOCK, limit + 1 - total))  # one byte past the limit tells
+    except (OSError, EOFError, zlib.error) as err:
+      if not compressed:
+        raise
+      raise refuse(f"not a valid .gz file: {err}") from None
+    if not block:
+      return
+    nul = block.find(b"\x00")
+    if nul >= 0:
+      raise refuse(_binary(total + nul))
+    total += len(block)
+    if total > limit:
+      unpacked = " once decompressed" if compressed else ""
+      raise refuse(
+          f"larger than {_size(limit)}{unpacked}, the limit on text read "
+          f"({MAX_TEXT_ENV}=BYTES sets another)"
+      )
+    yield block
+
+
+def read_stream(stream: BinaryIO, source: str) -> str:
+  """UTF-8 text from an open binary stream (stdin), read in blocks up to `max_text_bytes()`;
+  ValueError naming `source` when it is larger, binary or not UTF-8."""
+  raw = bytearray()
+  for block in _blocks(stream, lambda why: ValueError(f"{source} is {why}")):
+    raw += block
+  return decode_text(raw, source)
+
+
+def read_text(path: str | pathlib.Path) -> str:
+  """A UTF-8 text file (`.gz` is decompressed as it is read), at most `max_text_bytes()`
+  of text; ValueError when it is not a regular file, larger, empty, binary or not UTF-8."""
+  path = pathlib.Path(path)
+  source = f"text file {str(path)!r}"
+  refuse = lambda why: ValueError(f"{source} is {why}")  # noqa: E731
+  raw = bytearray()
+  with _open_regular(path, source, refuse) as file:
+    compressed = path.suffix == ".gz"
+    stream = gzip.GzipFile(fileobj=file, mode="rb") if compressed else file
+    try:
+      for block in _blocks(stream, refuse, compressed=compressed):
+        raw += block
+    except OSError as err:
+      raise FileNotFoundError(f"cannot read {source}: {err.strerror or err}") from None
+  text = decode_text(raw, source)
   if not text.strip():
-    raise ValueError(f"text file {str(path)!r} is empty")
+    raise ValueError(f"{source} is empty")
   return text
 
 
+def _lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
+  """The lines (without their newline) of a stream of blocks."""
+  pending = bytearray()
+  for block in blocks:
+    pending += block
+    end = pending.rfind(b"\n")
+    if end >= 0:
+      yield from bytes(pending[:end]).split(b"\n")
+      del pending[: end + 1]
+  if pending:
+    yield bytes(pending)
+
+
 def read_jsonl(path: str | pathlib.Path, fields: tuple[str, ...]) -> list[dict]:
-  """Records of a JSONL file, each an object with string values for `fields`."""
+  """Records of a JSONL file, each an object with string values for `fields`; read line by
+  line, at most `max_text_bytes()`, and refused unless it is a regular UTF-8 text file."""
   path = pathlib.Path(path)
-  try:
-    lines = path.read_text(encoding="utf-8").splitlines()
-  except (OSError, UnicodeDecodeError) as err:
-    raise FileNotFoundError(f"cannot read JSONL file {str(path)!r}: {err}") from None
+  source = f"JSONL file {str(path)!r}"
+  refuse = lambda why: ValueError(f"cannot read {source}: {why}")  # noqa: E731
   records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
+  with _open_regular(path, source, refuse) as file:
     try:
-      record = json.loads(line)
-    except json.JSONDecodeError as err:
-      raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-    missing = [
-        f for f in fields if not isinstance(record, dict) or not isinstance(record.get(f), str)
-    ]
-    if missing:
-      raise ValueError(f"{path}:{number}: needs string field(s) {missing}, got {line[:80]!r}")
-    records.append(record)
+      for number, raw in enumerate(_lines(_blocks(file, refuse)), 1):
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+          raise refuse(
+              f"line {number} is not UTF-8 (byte 0x{raw[err.start]:02x}); pass UTF-8 text"
+          ) from None
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as err:
+          raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        missing = [
+            f for f in fields if not isinstance(record, dict) or not isinstance(record.get(f), str)
+        ]
+        if missing:
+          raise ValueError(f"{path}:{number}: needs string field(s) {missing}, got {line[:80]!r}")
+        records.append(record)
+    except OSError as err:
+      raise FileNotFoundError(f"cannot read {source}: {err.strerror or err}") from None
   if not records:
-    raise ValueError(f"JSONL file {str(path)!r} has no records")
+    raise ValueError(f"{source} has no records")
   return records
 
 
