@@ -185,3 +185,18 @@ def test_a_bad_limit_is_refused(tmp_path, monkeypatch):
   (tmp_path / "a.txt").write_text("hello!")
   with pytest.raises(ValueError, match="larger than 5 bytes"):
     _data.read_text(tmp_path / "a.txt")
+
+
+def test_a_tuned_spec_file_is_read_by_the_same_rules(tmp_path, small_cap, capsys):
+  """--spec FILE: a device or a file past the limit is one line before the model loads."""
+  import kvjax
+
+  with pytest.raises(ValueError, match="not a tuned spec file .*character device"):
+    kvjax.load_spec("/dev/zero")
+  big = tmp_path / "tuned.json"
+  big.write_text('{"format": "' + "x" * CAP + '"}')
+  with pytest.raises(ValueError, match="larger than 1 MiB"):
+    kvjax.load_spec(big)
+  assert cli.main(["generate", "--spec", "/dev/zero", "Hi"]) == 2
+  err = capsys.readouterr().err
+  assert "character device" in _one_line(err) and "loading" not in err

@@ -52,12 +52,14 @@ def load_spec(path: str | os.PathLike, model=None) -> CompressionSpec:
   """The `CompressionSpec` of a tuned spec file (`kvjax tune` writes it); with `model`,
   checks that it was tuned for that model. ValueError naming the file and what is wrong:
   unknown keys, another format, bad values, another model."""
+  from kvjax.eval._data import read_text  # regular files within the size limit only
+
   path = pathlib.Path(path)
+  if not path.exists():
+    raise ValueError(f"{path}: no such tuned spec file")
   try:
-    record = json.loads(path.read_text(encoding="utf-8"))
-  except FileNotFoundError:
-    raise ValueError(f"{path}: no such tuned spec file") from None
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    record = json.loads(read_text(path))
+  except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
     raise ValueError(f"{path}: not a tuned spec file ({type(e).__name__}: {e})") from None
   if not isinstance(record, dict):
     raise ValueError(f"{path}: not a tuned spec file (a JSON object is expected)")
