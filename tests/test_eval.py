@@ -212,20 +212,42 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
       E.multi_question(model, tokenizer, text_ids, **{**kwargs, **bad})
 
 
-def test_answer_returns_text_and_rejects_empty_input(model, tokenizer):
-  text = E.answer(
-      model, tokenizer, "Paris is in France. " * 20, "Where is Paris?", max_new_tokens=3
-  )
-  assert isinstance(text, str)
-  compressed = E.answer(
-      model,
-      tokenizer,
-      "Paris is in France. " * 20,
-      "Where is Paris?",
-      kvjax.CompressionSpec(policy="h2o", budget=48),
-      max_new_tokens=3,
-  )
-  assert isinstance(compressed, str)
+def test_answer_is_the_greedy_continuation_and_rejects_empty_input(tokenizer, monkeypatch):
+  """The answer is the greedy continuation of the chat template's opening, the context, the
+  question and the template's closing: with the full cache what `kvjax.generate` gives for
+  those ids; with a spec what the session API gives (context compressed to the budget,
+  then the question, protected, then decode)."""
+  # Sharp attention (the fixture's is near uniform): the answer depends on the question,
+  # the context and what compression keeps, so a prompt built otherwise answers otherwise.
+  model = tiny_llama(vocab_size=tokenizer.vocab_size, max_context=2048, qk_scale=20)
+  context, question, n = "Paris is in France. " * 20, "Where is Paris?", 3
+  marker = "\x00marker\x00"
+  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
+  opening, context_ids = tokenizer.encode(before), tokenizer.encode(context)
+  question_ids = tokenizer.encode("\n\n" + question) + tokenizer.encode(after)
+  held = []  # K/V tokens per head after answer's prefill of the context
+
+  def prefill(*args, **kw):
+    state = kvjax.prefill(*args, **kw)
+    held.append(int(state.cache.length.max()))
+    return state
+
+  monkeypatch.setattr(_tasks, "prefill", prefill)
+  text = E.answer(model, tokenizer, context, question, max_new_tokens=n)
+  ids = opening + context_ids + question_ids
+  expected = kvjax.generate(model, tokenizer, [ids], max_new_tokens=n)
+  assert expected.tokens[0] and text.strip()
+  assert text == tokenizer.decode(expected.tokens[0], skip_special_tokens=True)
+  spec = kvjax.CompressionSpec(policy="h2o", budget=48)
+  compressed = E.answer(model, tokenizer, context, question, spec, max_new_tokens=n)
+  assert held == [len(opening) + len(context_ids), 48]
+  prompt = [kvjax.Segment(opening, protected=True), kvjax.Segment(context_ids)]
+  state = kvjax.prefill(model, [prompt], spec, reserve=len(question_ids) + n)
+  state = kvjax.extend(model, state, [[kvjax.Segment(question_ids, protected=True)]])
+  _, result = kvjax.decode(model, state, n, stop_tokens=tokenizer.eos_ids)
+  assert result.tokens[0] and compressed.strip()
+  assert compressed == tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+  assert compressed != text  # 48 of the 125 tokens kept: this model answers otherwise
   with pytest.raises(ValueError, match="question must be a non-empty string"):
     E.answer(model, tokenizer, "context", " ")
   with pytest.raises(ValueError, match="context is empty"):

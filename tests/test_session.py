@@ -78,13 +78,33 @@ def test_compressed_session_matches_generate_and_stays_within_budget(tiny):
   assert state.peak_kv_bytes() == whole.stats["peak_kv_bytes"]
 
 
-def test_state_is_a_pytree_that_jit_accepts(tiny):
+def test_state_is_a_pytree_that_jit_accepts_and_returns(tiny):
   model, tokenizer = tiny
+  n = len(tokenizer.encode(CONTEXT))
   state = kvjax.prefill(model, [CONTEXT], tokenizer=tokenizer)
-  leaves = jax.tree.leaves(state)
+  leaves, treedef = jax.tree.flatten(state)
   assert leaves and all(isinstance(x, jax.Array) for x in leaves)
-  total = jax.jit(lambda s: s.cache.length.sum() + s.position.sum())(state)
-  assert int(total) > 0
+  # As an argument: the traced sums are the host's, and they are what a full cache holds:
+  # every prompt token in each (layer, kv head); the position is the next token's, n.
+  heads = model.config.n_layers * model.config.n_kv_heads
+  lengths, position = jax.jit(lambda s: (s.cache.length.sum(), s.position.sum()))(state)
+  host = (int(np.asarray(state.cache.length).sum()), int(np.asarray(state.position).sum()))
+  assert (int(lengths), int(position)) == host == (n * heads, n)
+  # As a result: the state comes back whole (same structure, static plan, leaves).
+  back = jax.jit(lambda s: s)(state)
+  assert isinstance(back, kvjax.State) and back.plan == state.plan
+  back_leaves, back_treedef = jax.tree.flatten(back)
+  assert back_treedef == treedef
+  for got, want in zip(back_leaves, leaves, strict=True):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+      want, got = jax.random.key_data(want), jax.random.key_data(got)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # A state made inside jit decodes as the one it came from.
+  moved = jax.jit(lambda s: s.replace(position=s.position + 0))(state)
+  _, a = kvjax.decode(model, state, 3)
+  _, b = kvjax.decode(model, moved, 3)
+  assert a.tokens == b.tokens and len(a.tokens[0]) == 3
 
 
 def test_teacher_forced_decode_returns_the_logits_of_each_token(tiny):
