@@ -7,7 +7,9 @@ import pytest
 
 import kvjax
 from kvjax import eval as E
+from kvjax.allocation import HeadAllocation
 from kvjax.eval import _data, _report, _sweep, _tasks
+from kvjax.fingerprint import model_fingerprint
 from kvjax.testing import tiny_llama
 from models import resolve_model
 from models.tokenizer import Tokenizer
@@ -498,3 +500,42 @@ def test_data_files_fail_clearly(tmp_path):
   (tmp_path / "field.jsonl").write_text('{"context": "a", "question": "b"}\n')
   with pytest.raises(ValueError, match=r"field.jsonl:1: needs string field\(s\) \['answer'\]"):
     _data.read_jsonl(tmp_path / "field.jsonl", ("context", "question", "answer"))
+
+
+def test_a_sweep_records_the_head_allocation_its_rows_used(model, tokenizer, text_ids):
+  """--spec tuned.json with an allocation: the results say so (it applies to its policy)."""
+  shape = (model.config.n_layers, model.config.n_kv_heads)
+  allocation = HeadAllocation(
+      offsets=np.zeros(shape, np.float32),
+      policy="kvzip",
+      log_scores=True,
+      scale=1.0,
+      model="tiny",
+      fingerprint=model_fingerprint(model),
+  )
+  results = E.run_sweep(
+      "fidelity",
+      model,
+      tokenizer,
+      policies=["full", "kvzip"],
+      budgets=[32],
+      context_tokens=[64],
+      ids=text_ids,
+      spec=kvjax.CompressionSpec(policy="kvzip", budget=32, allocation=allocation),
+      options={"continuation_tokens": 4, "windows": 1},
+      progress=False,
+  )
+  E.validate_results(results)
+  assert results["config"]["spec"]["allocation"] == {"policy": "kvzip", "path": None}
+  without = E.run_sweep(
+      "fidelity",
+      model,
+      tokenizer,
+      policies=["full"],
+      budgets=[],
+      context_tokens=[64],
+      ids=text_ids,
+      options={"continuation_tokens": 4, "windows": 1},
+      progress=False,
+  )
+  assert without["config"]["spec"]["allocation"] is None

@@ -86,6 +86,13 @@ def _base(spec: CompressionSpec | None) -> CompressionSpec:
   return spec.replace(policy="full", budget=None, threshold=None, scorer=None, allocation=None)
 
 
+def _allocation_record(spec: CompressionSpec | None) -> dict | None:
+  allocation = None if spec is None else spec.allocation
+  if allocation is None:
+    return None
+  return {"policy": allocation.policy, "path": allocation.path and str(allocation.path)}
+
+
 def configuration_specs(
     spec: CompressionSpec | None,
     policies: Sequence[str],
@@ -183,6 +190,8 @@ def run(
               **{k: v for k, v in base.to_dict().items() if k not in ("policy", "budget")},
               "threshold": threshold,
               "scorer": scorer,
+              # A tuned head allocation applies to its own policy's rows (configuration_specs).
+              "allocation": _allocation_record(spec),
           },
           **options,
       },
