@@ -1,12 +1,9 @@
 import importlib.util
-import json
 import sys
 
-import numpy as np
 import pytest
-import tokenizers
-from safetensors.numpy import save_file
 
+from kvjax.testing import tiny_hf_checkpoint
 from models import registry
 from models.registry import DEFAULT_MODEL, load_model, resolve_model
 
@@ -61,43 +58,12 @@ def test_load_model_default():
 
 
 def test_load_model_hf_dir(tmp_path):
-  rng = np.random.default_rng(0)
-  V, D, F = 8, 4, 6
-  (tmp_path / "config.json").write_text(
-      json.dumps(
-          {
-              "model_type": "llama",
-              "vocab_size": V,
-              "hidden_size": D,
-              "intermediate_size": F,
-              "num_hidden_layers": 1,
-              "num_attention_heads": 2,
-              "tie_word_embeddings": True,
-              "bos_token_id": 0,
-              "eos_token_id": 1,
-          }
-      )
-  )
-  names = {
-      "model.embed_tokens.weight": (V, D),
-      "model.norm.weight": (D,),
-      "model.layers.0.input_layernorm.weight": (D,),
-      "model.layers.0.post_attention_layernorm.weight": (D,),
-      **{f"model.layers.0.self_attn.{p}_proj.weight": (D, D) for p in "qkvo"},
-      "model.layers.0.mlp.gate_proj.weight": (F, D),
-      "model.layers.0.mlp.up_proj.weight": (F, D),
-      "model.layers.0.mlp.down_proj.weight": (D, F),
-  }
-  save_file(
-      {k: rng.standard_normal(s).astype(np.float32) for k, s in names.items()},
-      tmp_path / "model.safetensors",
-  )
+  tiny_hf_checkpoint(tmp_path)
+  tokenizer = (tmp_path / "tokenizer.json").read_bytes()
+  (tmp_path / "tokenizer.json").unlink()
   with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
     load_model(tmp_path)
-  vocab = {c: i for i, c in enumerate("<>abcdef")}
-  tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[])).save(
-      str(tmp_path / "tokenizer.json")
-  )
+  (tmp_path / "tokenizer.json").write_bytes(tokenizer)
   config, params, tok = load_model(tmp_path)
   assert config.tie_embeddings and len(params) == 11
   assert (tok.bos_id, tok.eos_ids) == (0, (1,))
