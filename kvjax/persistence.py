@@ -10,22 +10,28 @@ process or on another day.
 A state directory keeps complete versions and names the current one:
 
   DIR/CURRENT     the current version's name, replaced atomically (write + rename)
+  DIR/.lock       what a save locks (`fcntl.flock`) from its checks to its clean-up, so
+                  saves into one directory run one after another
   DIR/v<N>/       an orbax-checkpoint composite checkpoint (orbax writes it to a temporary
                   directory and renames it when complete):
     arrays/       StandardSave: the live pages only (k, v and the per-slot arrays, in page
                   table order), the page table, lengths, logits, positions, sampling key
     meta/         JsonSave: format, kvjax version, model and tokenizer fingerprints, the
-                  CompressionSpec and cache plan, the prefilled token ids, and a SHA-256
-                  digest of all of it and of every array
+                  CompressionSpec (a head allocation by value) and cache plan, the prefilled
+                  token ids, and a SHA-256 digest of all of it and of every array
 
-A process killed while saving leaves CURRENT naming the previous complete version (or no
-CURRENT at all for a first save: nothing loads); the next save clears what it left. A load
-checks the digest, the format, the model, its dtype and the tokenizer before any array
-reaches the device: a corrupted or foreign checkpoint is a `ValueError`, never a state.
+A save keeps the version CURRENT named before it (a reader may be reading it) and removes
+older ones; a reader whose version was removed under it (two saves during one read) reads
+CURRENT again and retries. A process killed while saving leaves CURRENT naming the previous
+complete version (or no CURRENT at all for a first save: nothing loads); the next save clears
+what it left. A load checks the digest, the format, the model, its dtype and the tokenizer
+before any array reaches the device: a corrupted or foreign checkpoint is a `ValueError`,
+never a state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -40,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import _files
+from kvjax.allocation import HeadAllocation
 from kvjax.cache import (
     NULL_PAGE,
     PagedKVCache,
@@ -50,17 +57,32 @@ from kvjax.cache import (
     packed_table,
 )
 from kvjax.config import CacheConfig
+from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import EvictionPlan, get_policy
-from kvjax.seam import ModelShape, model_fingerprint
+from kvjax.seam import ModelShape
 from kvjax.session import State
 from kvjax.spec import CachePlan, CompressionSpec
 from models.weight_cache import arrays_digest
 
+try:
+  import fcntl
+except ImportError:  # not POSIX (Windows): saves into one directory must not overlap there
+  fcntl = None
+
 FORMAT = "kvjax-state/1"
 CURRENT = "CURRENT"
+LOCK = ".lock"
 _VERSION = re.compile(r"v(\d+)")
-# What a state directory may hold: CURRENT (and its temporary), versions, orbax temporaries.
-_OURS = re.compile(r"CURRENT(\.tmp-\d+)?|v\d+(\.orbax-checkpoint-tmp-.*)?")
+# What a state directory may hold: CURRENT, its temporaries (`_files.write_bytes` names them
+# `.CURRENT.<random>`; older kvjax wrote `CURRENT.tmp-<pid>`), the lock, versions, and
+# orbax's temporaries of versions (`v3.orbax-checkpoint-tmp`, older orbax added
+# `-<timestamp>`).
+_OURS = re.compile(
+    r"CURRENT|\.CURRENT\..+|CURRENT\.tmp-\d+|\.lock|v\d+(\.orbax-checkpoint-tmp.*)?", re.DOTALL
+)
+# Reads of a directory that saves keep replacing: each retry follows CURRENT to a newer
+# version, and a version is only removed after two later saves completed.
+_READ_ATTEMPTS = 5
 
 
 class StateFileError(ValueError):
@@ -110,7 +132,8 @@ def save_state(
     tokens: the token ids the state has read, per row (recorded; `state_info` returns them).
     info: your own JSON-serialisable metadata (e.g. how the prompt was built).
     overwrite: replace the state already saved at `path` (atomically: a reader or a crash
-      sees the old state or the new one, never a mixture).
+      sees the old state or the new one, never a mixture). Saves into one directory from
+      several processes run one after another (a lock in the directory).
   Returns the directory.
   """
   if not isinstance(state, State):
@@ -121,14 +144,7 @@ def save_state(
         "prefill without mesh= to save it"
     )
   path = pathlib.Path(path).absolute()
-  if path.exists():
-    if not path.is_dir():
-      raise FileExistsError(f"{path} exists and is not a directory")
-    if (path / CURRENT).exists():
-      if not overwrite:
-        raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
-    elif any(not _is_ours(p.name) for p in path.iterdir()):
-      raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
+  _check_target(path, overwrite)  # before anything is written or locked
   # As JSON gives it back (string keys, lists): the digest must match what a load reads.
   meta = json.loads(json.dumps(_describe(state, model, tokenizer, tokens, info)))
   arrays = _live_arrays(state)
@@ -138,15 +154,45 @@ def save_state(
   import orbax.checkpoint as ocp
 
   path.mkdir(parents=True, exist_ok=True)
-  name = f"v{1 + max(_versions(path), default=0)}"
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    checkpointer.save(  # a temporary directory, renamed to `name` once complete
-        path / name,
-        ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
-    )
-  _files.write_text(path / CURRENT, name + "\n")
-  _remove_stale(path, keep=name)
+  with _locked(path):
+    _check_target(path, overwrite)  # again: another process may have saved meanwhile
+    previous = _current_name(path)
+    name = f"v{1 + max(_versions(path), default=0)}"
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      checkpointer.save(  # a temporary directory, renamed to `name` once complete
+          path / name,
+          ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+      )
+    _files.write_text(path / CURRENT, name + "\n")
+    # The previous version stays until the next save: a reader may have just read its name.
+    _remove_stale(path, keep={name, previous})
   return path
+
+
+def _check_target(path: pathlib.Path, overwrite: bool) -> None:
+  if not path.exists():
+    return
+  if not path.is_dir():
+    raise FileExistsError(f"{path} exists and is not a directory")
+  if (path / CURRENT).exists():
+    if not overwrite:
+      raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
+  elif any(not _is_ours(p.name) for p in path.iterdir()):
+    raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+  """Holds an exclusive `flock` on `path/.lock` (created once, never removed: removing it
+  would let two processes lock two different files). The kernel releases it when the
+  process dies, so a killed save never blocks the next one."""
+  fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    if fcntl is not None:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
 
 
 def _describe(state: State, model, tokenizer, tokens, info) -> dict:
@@ -197,7 +243,7 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
           **dataclasses.asdict(shape),
       },
       "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
-      "spec": spec.to_dict(),
+      "spec": _spec_dict(spec),
       "plan": {
           "config": dataclasses.asdict(plan.config),
           "chunk": plan.chunk,
@@ -225,6 +271,35 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
       "tokens": tokens,
       "info": info,
   }
+
+
+def _spec_dict(spec: CompressionSpec) -> dict:
+  """The spec's fields, with its head allocation by value (offsets and what checks them):
+  `to_dict` writes an allocation as its directory, which an allocation made in memory lacks
+  and which may have changed or gone by the time the state loads."""
+  out = spec.to_dict()
+  allocation = spec.allocation
+  if allocation is not None:
+    out["allocation"] = {
+        "offsets": allocation.offsets.tolist(),  # float32 -> float -> float32 is exact
+        "policy": allocation.policy,
+        "log_scores": bool(allocation.log_scores),
+        "scale": float(allocation.scale),
+        "model": allocation.model,
+        "fingerprint": allocation.fingerprint,
+        "path": allocation.path,
+    }
+  return out
+
+
+def _spec_from_dict(saved: dict) -> CompressionSpec:
+  fields = dict(saved)
+  allocation = fields.get("allocation")
+  if isinstance(allocation, dict):  # by value; older states name a directory (a str)
+    fields["allocation"] = HeadAllocation(
+        **{**allocation, "offsets": np.asarray(allocation["offsets"], np.float32)}
+    )
+  return CompressionSpec(**fields)
 
 
 def _live_arrays(state: State) -> dict[str, np.ndarray]:
@@ -272,10 +347,11 @@ def _versions(path: pathlib.Path) -> list[int]:
   ]
 
 
-def _remove_stale(path: pathlib.Path, keep: str) -> None:
-  """Removes older versions and what interrupted saves left (never other files)."""
+def _remove_stale(path: pathlib.Path, keep: set) -> None:
+  """Removes versions not in `keep` and what interrupted saves left (never other files).
+  Called under the lock: no other save has temporaries in flight."""
   for p in path.iterdir():
-    if p.name != CURRENT and p.name != keep and _is_ours(p.name):
+    if p.name not in (CURRENT, LOCK) and p.name not in keep and _is_ours(p.name):
       if p.is_dir():
         shutil.rmtree(p, ignore_errors=True)
       else:
@@ -288,7 +364,7 @@ def _remove_stale(path: pathlib.Path, keep: str) -> None:
 def state_info(path: str | os.PathLike) -> dict:
   """The metadata of a saved state (model, spec, tokens, sizes, your `info`), read without
   its arrays; StateFileError when `path` holds no readable state."""
-  return _read_meta(_current(pathlib.Path(path).absolute()))
+  return _read_current(pathlib.Path(path).absolute(), _read_meta)
 
 
 def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
@@ -299,36 +375,73 @@ def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
   another dtype or another tokenizer. Nothing reaches the device before every check passed.
   """
   ModelShape.of(model)  # a wrong argument is a TypeError, not a damaged state
-  version = _current(pathlib.Path(path).absolute())
-  meta = _read_meta(version)
-  _check_compatible(meta, model, tokenizer, version)
-  arrays = _read_arrays(version, meta)
-  if _digest(meta, arrays) != meta.get("digest"):
-    raise StateFileError(
-        f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
-        "contents); save the state again"
-    )
-  try:
-    return _rebuild(meta, arrays, version)
-  except StateFileError:
-    raise
-  except (KeyError, TypeError, ValueError) as err:
-    raise StateFileError(
-        f"{version}: its metadata does not describe a state this kvjax can rebuild "
-        f"({type(err).__name__}: {_short(err)})"
-    ) from None
+
+  def read(version: pathlib.Path) -> State:
+    meta = _read_meta(version)
+    _check_compatible(meta, model, tokenizer, version)
+    arrays = _read_arrays(version, meta)
+    if _digest(meta, arrays) != meta.get("digest"):
+      raise StateFileError(
+          f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
+          "contents); save the state again"
+      )
+    try:
+      return _rebuild(meta, arrays, version)
+    except StateFileError:
+      raise
+    except (KeyError, TypeError, ValueError) as err:
+      raise StateFileError(
+          f"{version}: its metadata does not describe a state this kvjax can rebuild "
+          f"({type(err).__name__}: {_short(err)})"
+      ) from None
+
+  return _read_current(pathlib.Path(path).absolute(), read)
+
+
+def _read_current(path: pathlib.Path, read):
+  """`read(version)` of the version CURRENT names. A save keeps the version it replaces, so
+  a read fails under saves only when two of them completed during it, removing its version;
+  then CURRENT names a newer version, which is read instead (a failure while CURRENT still
+  names the version read is that version's own, raised as it is)."""
+  for _ in range(_READ_ATTEMPTS):
+    name = _read_pointer(path)
+    try:
+      return read(_version(path, name))
+    except StateFileError:
+      if _current_name(path) == name:
+        raise
+  raise StateFileError(
+      f"{path}: saved again {_READ_ATTEMPTS} times while it was read, each time removing the "
+      "version being read; read it when saves are less frequent"
+  )
 
 
 def _current(path: pathlib.Path) -> pathlib.Path:
+  """The directory of the version CURRENT names."""
+  return _version(path, _read_pointer(path))
+
+
+def _read_pointer(path: pathlib.Path) -> str:
   if not path.is_dir():
     raise StateFileError(f"{path}: no saved kvjax state there (not a directory)")
   try:
-    name = (path / CURRENT).read_text().strip()
+    return (path / CURRENT).read_text().strip()
   except (OSError, UnicodeDecodeError):
     raise StateFileError(
         f"{path}: not a saved kvjax state (no readable {CURRENT} file; an interrupted first "
         "save leaves none)"
     ) from None
+
+
+def _current_name(path: pathlib.Path) -> str | None:
+  """What CURRENT holds (stripped), or None where it cannot be read."""
+  try:
+    return (path / CURRENT).read_text().strip()
+  except (OSError, UnicodeDecodeError):
+    return None
+
+
+def _version(path: pathlib.Path, name: str) -> pathlib.Path:
   if not _VERSION.fullmatch(name) or not (path / name).is_dir():
     raise StateFileError(f"{path}: {CURRENT} names {name[:40]!r}, which is not a saved version")
   return path / name
@@ -405,7 +518,7 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
   first (ids 1..n), the rest free, so the state has the shapes it was saved with and runs
   the same compiled steps."""
   try:
-    spec = CompressionSpec(**meta["spec"])
+    spec = _spec_from_dict(meta["spec"])
   except (ValueError, TypeError, OSError) as err:
     raise StateFileError(
         f"{version}: its CompressionSpec does not load here ({_short(err)})"

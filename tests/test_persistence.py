@@ -2,14 +2,16 @@
 live pages on disk, refusal of anything that is not exactly what was saved, and crashes
 while saving that leave the old state or the new one."""
 
+import dataclasses
 import json
 import os
 import pathlib
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -17,7 +19,10 @@ import pytest
 
 import kvjax
 from kvjax import persistence
+from kvjax.allocation import HeadAllocation
+from kvjax.seam import model_fingerprint
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+from models.weight_cache import arrays_digest
 
 # orbax leaves an asyncio callback behind when a restore of damaged files fails.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -178,7 +183,10 @@ def test_saving_refuses_to_overwrite_or_write_into_other_files(model, states, tm
     kvjax.save_state(path, states["h2o"], model)
   kvjax.save_state(path, states["h2o"], model, overwrite=True)
   assert kvjax.state_info(path)["spec"]["policy"] == "h2o"
-  assert sorted(p.name for p in path.iterdir()) == ["CURRENT", "v2"]  # v1 removed
+  # The version replaced stays until the next save (a reader may have just read its name).
+  assert sorted(p.name for p in path.iterdir()) == [".lock", "CURRENT", "v1", "v2"]
+  kvjax.save_state(path, states["kvzip"], model, overwrite=True)
+  assert sorted(p.name for p in path.iterdir()) == [".lock", "CURRENT", "v2", "v3"]  # v1 gone
   (tmp_path / "mine").mkdir()
   (tmp_path / "mine" / "notes.txt").write_text("keep me")
   with pytest.raises(FileExistsError, match="other files"):
@@ -194,27 +202,38 @@ def test_a_save_that_fails_part_way_leaves_the_old_state_or_the_new(
     model, states, tmp_path, monkeypatch, crash_at
 ):
   path = kvjax.save_state(tmp_path / "s", states["full"], model)
+  crashed = []
 
   def crash(*args, **kwargs):
+    crashed.append(sorted(p.name for p in path.iterdir()))
     raise KeyboardInterrupt  # as a kill would stop it, between two steps
 
-  import orbax.checkpoint as ocp
+  async def crash_in_orbax(*args, **kwargs):
+    crash()
+
+  from orbax.checkpoint._src.path import async_path
 
   target = {
-      "orbax": (ocp.Checkpointer, "save"),  # before the new version is complete
-      "pointer": (persistence._files, "write_text"),  # complete, CURRENT not switched yet
-      "cleanup": (persistence, "_remove_stale"),  # switched, the old version still there
+      # orbax's last step, renaming its complete temporary directory: inside orbax's save
+      "orbax": (async_path, "rename", crash_in_orbax),
+      "pointer": (persistence._files, "write_text", crash),  # complete, CURRENT not switched
+      "cleanup": (persistence, "_remove_stale", crash),  # switched, the old version still there
   }[crash_at]
-  monkeypatch.setattr(*target, crash)
+  monkeypatch.setattr(*target)
   with pytest.raises(KeyboardInterrupt):
     kvjax.save_state(path, states["h2o"], model, overwrite=True)
   monkeypatch.undo()
+  # The crash came where it is named: orbax's temporary directory written, or v2 complete.
+  leftover = {"orbax": "v2.orbax-checkpoint-tmp", "pointer": "v2", "cleanup": "v2"}[crash_at]
+  assert crashed == [[".lock", "CURRENT", "v1", leftover]]
   expected = "h2o" if crash_at == "cleanup" else "full"
   loaded = kvjax.load_state(path, model)
   assert loaded.spec.policy.name == expected
   kvjax.save_state(path, states["kvzip"], model, overwrite=True)  # and saving goes on
   assert kvjax.load_state(path, model).spec.policy.name == "kvzip"
-  assert sorted(p.name for p in path.iterdir())[0] == "CURRENT" and len(list(path.iterdir())) == 2
+  # What the crash left is gone; the version CURRENT named before the last save stays.
+  previous = "v2" if crash_at == "cleanup" else "v1"
+  assert sorted(p.name for p in path.iterdir()) == [".lock", "CURRENT", previous, "v3"]
 
 
 _SAVE_FOREVER = """
@@ -306,6 +325,7 @@ def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monke
   import jax
 
   from models import registry, weight_cache
+  from models.cache_dir import private_dir
   from models.llama import load_llama
 
   monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
@@ -321,7 +341,8 @@ def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monke
   assert tok_first.encode(text) == tok_second.encode(text)
   assert tok_first.chat_template == tok_second.chat_template
   assert tok_first.eos_ids == tok_second.eos_ids
-  entry = weight_cache.entry_dir(tmp_path, registry.resolve_model())
+  # Where `load_model` keeps them: the private `weights` directory of the cache.
+  entry = weight_cache.entry_dir(private_dir("weights"), registry.resolve_model())
   files = [f for f in (entry / "params").rglob("*") if f.is_file()]
   largest = max(files, key=lambda f: f.stat().st_size)
   largest.write_bytes(largest.read_bytes()[:100])
@@ -341,3 +362,282 @@ def test_the_persistence_api_rejects_what_is_not_a_state_or_a_model(model, state
     kvjax.load_state(path, object())
   with pytest.raises(TypeError, match="info must be a dict"):
     kvjax.save_state(tmp_path / "t", states["full"], model, info=["x"])
+
+
+# ---- a state directory under concurrent use ------------------------------------------------
+
+
+def _listing(path) -> list[str]:
+  return sorted(p.name for p in pathlib.Path(path).iterdir())
+
+
+def _whole(state) -> str:
+  """A digest of everything a state holds (its live pages in table order and its small
+  arrays): equal for a state and the same state saved and loaded."""
+  return arrays_digest(persistence._live_arrays(state))
+
+
+def test_a_state_keeps_its_head_allocation_made_in_memory_or_saved_and_removed(
+    model, states, tmp_path
+):
+  """The allocation is stored by value: one made in memory (no directory) and one whose
+  directory was removed after the save both load with the state."""
+  offsets = np.random.default_rng(3).normal(0, 1.5, (2, 2)).astype(np.float32)
+  allocation = HeadAllocation(
+      offsets=offsets,
+      policy="kvzip",
+      log_scores=True,
+      scale=2.0,
+      model="tiny",
+      fingerprint=model_fingerprint(model),
+  )
+  base = states["kvzip"]
+  for name, alloc in [("memory", allocation), ("saved", allocation.save(tmp_path / "alloc"))]:
+    # The kvzip state with the allocation in its spec (what it kept does not matter here:
+    # the spec is what must survive).
+    spec = base.spec.replace(allocation=alloc)
+    state = dataclasses.replace(base, plan=dataclasses.replace(base.plan, spec=spec))
+    path = kvjax.save_state(tmp_path / name, state, model)
+    if name == "saved":
+      shutil.rmtree(tmp_path / "alloc")
+    loaded = kvjax.load_state(path, model)
+    assert loaded.spec.allocation == allocation and loaded.plan == state.plan
+    np.testing.assert_array_equal(loaded.spec.allocation.offsets, offsets)
+    assert loaded.spec.allocation.path == alloc.path
+    assert _whole(loaded) == _whole(state)
+
+
+def test_a_reader_whose_version_two_saves_removed_follows_current(
+    model, states, tmp_path, monkeypatch
+):
+  """A slow reader: saves complete between its reading the metadata and the arrays. One
+  save keeps the version it reads (it returns that state); two remove it (it reads the
+  newest instead); saves during every attempt make it give up, saying so, after a few."""
+  path = kvjax.save_state(tmp_path / "s", states["full"], model)
+  read_arrays, saves, attempts = persistence._read_arrays, [], []
+
+  def slow_read(version, meta):
+    attempts.append(version.name)
+    for name in saves.pop(0) if saves else ():
+      kvjax.save_state(path, states[name], model, overwrite=True)
+    return read_arrays(version, meta)
+
+  monkeypatch.setattr(persistence, "_read_arrays", slow_read)
+  saves[:] = [["h2o"]]
+  loaded = kvjax.load_state(path, model)  # v1, kept by the save of v2
+  assert attempts == ["v1"] and _whole(loaded) == _whole(states["full"])
+  saves[:] = [["full", "kvzip"]]  # v3 and v4 remove v2 while it is read
+  loaded = kvjax.load_state(path, model)
+  assert attempts[1:] == ["v2", "v4"] and _whole(loaded) == _whole(states["kvzip"])
+  saves[:] = [["h2o", "full"]] * persistence._READ_ATTEMPTS
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, model)
+  _one_line_error(err, f"saved again {persistence._READ_ATTEMPTS} times")
+  assert _whole(kvjax.load_state(path, model)) == _whole(states["full"])
+
+
+_FIRST_SAVE_KILLED = """
+import json, os, sys, time
+import kvjax
+from kvjax.testing import tiny_llama
+model = tiny_llama(**json.loads(sys.argv[1]))
+target, point = sys.argv[2], sys.argv[3]
+state = kvjax.load_state(sys.stdin.readline().strip(), model)  # sent once we have imported
+
+def stop():
+  print(json.dumps(sorted(os.listdir(target))), flush=True)  # the parent kills us here
+  time.sleep(600)
+
+if point == "orbax writing":  # the metadata item, while the arrays are being written
+  import orbax.checkpoint as ocp
+  async def async_save(*args, **kwargs):
+    stop()
+  ocp.JsonCheckpointHandler.async_save = async_save
+elif point == "orbax renaming":  # its temporary directory complete
+  from orbax.checkpoint._src.path import async_path
+  async def rename(*args, **kwargs):
+    stop()
+  async_path.rename = rename
+elif point == "CURRENT renaming":  # v1 complete, CURRENT's temporary written
+  replace = os.replace
+  def hooked(src, dst, *args, **kwargs):
+    if os.path.basename(dst) == "CURRENT":
+      stop()
+    return replace(src, dst, *args, **kwargs)
+  os.replace = hooked
+kvjax.save_state(target, state, model)
+print("saved", flush=True)
+"""
+
+
+def test_a_first_save_killed_anywhere_leaves_a_directory_the_next_save_uses(
+    model, states, tmp_path
+):
+  """SIGKILL at three points of a first save (each in its own process, all at once); then a
+  save into each directory succeeds, loads, and has cleared what the killed one left."""
+  leftovers = {
+      "orbax writing": r"v1\.orbax-checkpoint-tmp.*",
+      "orbax renaming": r"v1\.orbax-checkpoint-tmp.*",
+      "CURRENT renaming": r"\.CURRENT\..+",
+  }
+  procs, logs = {}, [(tmp_path / f"err{i}").open("w") for i in range(len(leftovers))]
+  try:
+    for i, point in enumerate(leftovers):
+      procs[point] = subprocess.Popen(
+          [sys.executable, "-c", _FIRST_SAVE_KILLED, json.dumps(MODEL),
+           str(tmp_path / f"killed{i}"), point],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          stderr=logs[i],
+          text=True,
+      )
+    source = kvjax.save_state(tmp_path / "source", states["h2o"], model)  # while they import
+    for proc in procs.values():
+      proc.stdin.write(f"{source}\n")
+      proc.stdin.close()
+    at_kill = {}
+    for i, (point, proc) in enumerate(procs.items()):
+      line = proc.stdout.readline()
+      assert line.startswith("["), (point, line, (tmp_path / f"err{i}").read_text()[-3000:])
+      os.kill(proc.pid, signal.SIGKILL)
+      at_kill[point] = json.loads(line)
+  finally:
+    for proc in procs.values():
+      proc.kill()
+      proc.wait()
+    for log in logs:
+      log.close()
+  for i, (point, pattern) in enumerate(leftovers.items()):
+    target = tmp_path / f"killed{i}"
+    # Killed where named: a temporary of orbax's or of CURRENT's is there, CURRENT is not.
+    assert any(re.fullmatch(pattern, name) for name in _listing(target)), (point, at_kill)
+    assert "CURRENT" not in _listing(target)
+    with pytest.raises(kvjax.StateFileError, match="interrupted first save"):
+      kvjax.load_state(target, model)
+    kvjax.save_state(target, states["kvzip"], model)
+    assert _whole(kvjax.load_state(target, model)) == _whole(states["kvzip"])
+    assert _listing(target) == [".lock", "CURRENT", (target / "CURRENT").read_text().strip()]
+
+
+_CONCURRENT = """
+import collections, json, sys, time
+import kvjax
+from kvjax import persistence
+from kvjax.testing import tiny_llama
+from models.weight_cache import arrays_digest
+model = tiny_llama(**json.loads(sys.argv[1]))
+role, target, seconds = sys.argv[2], sys.argv[3], float(sys.argv[4])
+given = json.loads(sys.stdin.readline())  # sent once this process has imported all
+if role == "reader":
+  expected = given  # digest of each saved state -> its name
+  read_meta, attempts = persistence._read_meta, [0]
+  def counting(version):
+    attempts[0] += 1
+    return read_meta(version)
+  persistence._read_meta = counting
+else:
+  states = [kvjax.load_state(source, model) for source in given]
+done, errors, seen = 0, [], collections.Counter()
+print("ready", flush=True)
+sys.stdin.readline()
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+  try:
+    if role == "reader":
+      state = kvjax.load_state(target, model)
+      digest = arrays_digest(persistence._live_arrays(state))
+      if digest not in expected:
+        raise AssertionError("a state that no writer saved")
+      seen[expected[digest]] += 1
+    else:
+      kvjax.save_state(target, states[done % 2], model, overwrite=True, info={"by": role})
+    done += 1
+  except Exception as err:
+    errors.append(f"{type(err).__name__}: {err}"[:400])
+out = {"done": done, "errors": errors, "seen": seen}
+if role == "reader":
+  out["attempts"] = attempts[0]
+print(json.dumps(out), flush=True)
+"""
+
+
+def _two_writers_and_a_reader(model, states, tmp_path, seconds: float) -> dict:
+  """Two processes save into one directory (each alternating two states of its own: this
+  one and a child) while a third loads it, for `seconds`; each counts what it did and every
+  error."""
+  import jax
+
+  target, roles = tmp_path / "shared", ("writer", "reader")
+  procs, logs = {}, {role: (tmp_path / f"{role}.err").open("w") for role in roles}
+  results = {}
+  try:
+    for role in roles:  # they import while this process prepares the states
+      procs[role] = subprocess.Popen(
+          [sys.executable, "-c", _CONCURRENT, json.dumps(MODEL), role, str(target), str(seconds)],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          stderr=logs[role],
+          text=True,
+      )
+    # A fourth state: h2o's with another sampling key (another prefill would compile).
+    other = dataclasses.replace(states["h2o"], key=jax.random.fold_in(states["h2o"].key, 1))
+    sources = {}
+    for name, state in [*states.items(), ("h2o, other key", other)]:
+      sources[name] = kvjax.save_state(tmp_path / "sources" / name, state, model)
+    expected = {_whole(kvjax.load_state(p, model)): name for name, p in sources.items()}
+    assert len(expected) == 4
+    kvjax.save_state(target, states["full"], model)
+    given = {"writer": [str(sources["kvzip"]), str(sources["h2o, other key"])], "reader": expected}
+    for role, proc in procs.items():
+      proc.stdin.write(json.dumps(given[role]) + "\n")
+      proc.stdin.flush()
+    for role, proc in procs.items():
+      line = proc.stdout.readline()
+      assert line.strip() == "ready", (role, (tmp_path / f"{role}.err").read_text()[-3000:])
+    for proc in procs.values():  # all start together
+      proc.stdin.write("go\n")
+      proc.stdin.close()
+    # The other writer is this process (one child less to start).
+    mine, done, errors = [states["full"], states["h2o"]], 0, []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+      try:
+        kvjax.save_state(target, mine[done % 2], model, overwrite=True)
+        done += 1
+      except Exception as err:  # noqa: BLE001 - every failure counts
+        errors.append(f"{type(err).__name__}: {err}"[:400])
+    results["writer (this process)"] = {"done": done, "errors": errors}
+    for role, proc in procs.items():
+      out = proc.stdout.read()  # each stops `seconds` after "go"
+      assert proc.wait(timeout=60) == 0, (role, (tmp_path / f"{role}.err").read_text()[-3000:])
+      results[role] = json.loads(out.splitlines()[-1])
+  finally:
+    for proc in procs.values():
+      proc.kill()
+      proc.wait()
+    for log in logs.values():
+      log.close()
+  print(f"\n{seconds:.0f} s, two writers and a reader:", json.dumps(results))
+  for role, result in results.items():
+    assert result["errors"] == [], (role, result["errors"][:5])
+    assert result["done"] > 0, (role, result)
+  # Every read was a whole state that a writer saved (a digest of all its arrays); the
+  # directory loads afterwards and holds CURRENT, the lock and two versions at most.
+  assert sum(results["reader"]["seen"].values()) == results["reader"]["done"]
+  assert _whole(kvjax.load_state(target, model)) in expected
+  names = _listing(target)
+  assert names[:2] == [".lock", "CURRENT"] and len(names) <= 4
+  assert all(re.fullmatch(r"v\d+", name) for name in names[2:]), names
+  return results
+
+
+def test_two_writers_and_a_reader_share_a_state_directory(model, states, tmp_path):
+  _two_writers_and_a_reader(model, states, tmp_path, seconds=2)
+
+
+@pytest.mark.slow
+def test_two_writers_and_a_reader_share_a_state_directory_for_thirty_seconds(
+    model, states, tmp_path
+):
+  results = _two_writers_and_a_reader(model, states, tmp_path, seconds=30)
+  assert len(results["reader"]["seen"]) == 4  # states of both writers were read
