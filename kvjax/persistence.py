@@ -416,8 +416,10 @@ def _read_current(path: pathlib.Path, read):
   )
 
 
-def _current(path: pathlib.Path) -> pathlib.Path:
-  """The directory of the version CURRENT names."""
+def current_version(path: str | os.PathLike) -> pathlib.Path:
+  """The directory of the version a state directory's CURRENT names (StateFileError when
+  there is none); e.g. to measure what one saved state takes on disk."""
+  path = pathlib.Path(path).absolute()
   return _version(path, _read_pointer(path))
 
 

@@ -68,7 +68,7 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
     live = int(np.asarray(state.cache.pages_in_use()).sum())
     assert info["cache"]["live_pages"] == live < state.cache.num_pages - 1
     # Only the live pages are written: the K/V arrays on disk hold `live` pages.
-    arrays = persistence._read_arrays(persistence._current(path), info)
+    arrays = persistence._read_arrays(persistence.current_version(path), info)
     assert arrays["k_pages"].shape == (live, *state.cache.k_pages.shape[1:])
     # Each sequence's live tokens, in order, are the saved state's.
     for layer, row, head in [(0, 0, 0), (1, 0, 1)]:
@@ -82,7 +82,7 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
 def test_a_compressed_state_takes_its_share_of_the_full_cache_on_disk(model, states, tmp_path):
   def kv_on_disk(name):
     path = kvjax.save_state(tmp_path / name, states[name], model)
-    files = (persistence._current(path) / "arrays").rglob("*")
+    files = (persistence.current_version(path) / "arrays").rglob("*")
     return sum(f.stat().st_size for f in files if f.is_file())
 
   # kvzip keeps 25% of the tokens: its state is well under half the full cache's on disk
@@ -156,13 +156,13 @@ def test_damaged_checkpoints_are_refused_never_loaded(model, states, tmp_path):
   damages = []
   for trial in range(6):  # bytes flipped at random places of the metadata
     path = kvjax.save_state(tmp_path / f"flip{trial}", state, model)
-    meta = next(f for f in (persistence._current(path) / "meta").rglob("*") if f.is_file())
+    meta = next(f for f in (persistence.current_version(path) / "meta").rglob("*") if f.is_file())
     data = bytearray(meta.read_bytes())
     data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     meta.write_bytes(bytes(data))
     damages.append(path)
   path = kvjax.save_state(tmp_path / "truncated", state, model)
-  files = [f for f in (persistence._current(path) / "arrays").rglob("*") if f.is_file()]
+  files = [f for f in (persistence.current_version(path) / "arrays").rglob("*") if f.is_file()]
   largest = max(files, key=lambda f: f.stat().st_size)
   largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
   damages.append(path)
