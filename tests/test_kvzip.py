@@ -100,9 +100,9 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   seen = []
   real = session._prefill
 
-  def spy(model, state, encoded, key, progress=None):
+  def spy(model, state, encoded, key, progress=None, **kwargs):
     seen.append(encoded.ids[0])
-    return real(model, state, encoded, key, progress)
+    return real(model, state, encoded, key, progress, **kwargs)
 
   monkeypatch.setattr(session, "_prefill", spy)
   spec = kvjax.CompressionSpec(policy=policies.KVzip(chunk=64), budget=64, sink=4, recent=8)
