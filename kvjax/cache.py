@@ -29,8 +29,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.config import CacheConfig
-
-NULL_PAGE = 0
+from kvjax.pages import NULL_PAGE, PageTable, pages_for, token_slots  # noqa: F401 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +89,6 @@ class NumericsError(RuntimeError):
 
 
 @struct.dataclass
-class PageTable:
-  """Which physical pages each sequence owns, and the allocator's state."""
-
-  table: Int[Array, "L B H M"]  # logical page -> physical page; 0 (null) when unused
-  length: Int[Array, "L B H"]  # live tokens per sequence
-  free_pages: Int[Array, " P"]  # stack of free pages; the first num_free are free
-  num_free: Int[Array, ""]
-  status: Int[Array, ""]  # bit set of `Status` flags raised inside jit
-
-
-@struct.dataclass
 class PagedKVCache:
   k_pages: Float[Array, "P S D"]
   v_pages: Float[Array, "P S D"]
@@ -140,6 +128,18 @@ class PagedKVCache:
     """The cache with `bit` set in its status where `raised` (traced) holds."""
     status = self.pages.status | jnp.where(raised, jnp.int32(bit), jnp.int32(0))
     return self.replace(pages=self.pages.replace(status=status))
+
+  def freed(self, pages: PageTable, ids: Int[Array, " X"]) -> "PagedKVCache":
+    """The cache with page table `pages`, whose operation freed the pages `ids` (out of range
+    where nothing was freed, as `PageTable.free` gives them): freed pages carry no per-slot
+    state into their next owner."""
+    return self.replace(
+        pages=pages,
+        slots={
+            spec.name: self.slots[spec.name].at[ids].set(spec.empty, mode="drop")
+            for spec in self.slot_specs
+        },
+    )
 
   def slot(self, name: str) -> Array:
     """The per-slot array `name` ([P, S]); KeyError naming the declared slots."""
@@ -187,7 +187,7 @@ class PagedKVCache:
     return self.k_pages.shape[-3]
 
   def pages_in_use(self) -> Int[Array, "L B H"]:
-    return -(-self.length // self.config.page_size)
+    return self.pages.held(self.config.page_size)
 
   @property
   def page_bytes(self) -> int:
@@ -203,7 +203,7 @@ class PagedKVCache:
     """Host-side: bytes of K and V held by live pages (what a right-sized pool must hold).
     Inside jit, track `pages_in_use().sum()` instead (int32 bytes would overflow)."""
     length = to_host(self.length).astype(np.int64)  # host math: nothing to compile
-    return int((-(-length // self.config.page_size)).sum()) * self.page_bytes
+    return int(pages_for(length, self.config.page_size).sum()) * self.page_bytes
 
 
 def to_host(x) -> np.ndarray:
@@ -265,7 +265,7 @@ def init_cache(
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts:
-    needed = num_sequences * -(-config.budget // config.page_size) + 1
+    needed = num_sequences * pages_for(config.budget, config.page_size) + 1
     if num_pages < needed:
       raise ValueError(
           f"num_pages={num_pages} cannot hold budget={config.budget} tokens for each of "
@@ -293,16 +293,7 @@ def _empty_arrays(num_pages, page_size, head_dim, dtype, slot_specs, table_shape
   """Every array of an empty cache, made by one compiled program (a first call compiles
   once, not once per array)."""
   pool = (num_pages, page_size, head_dim)
-  pages = PageTable(
-      table=jnp.full(table_shape, NULL_PAGE, jnp.int32),
-      length=jnp.zeros(table_shape[:-1], jnp.int32),
-      # Pop order hands out low page ids first: stack top is at num_free - 1.
-      free_pages=jnp.concatenate(
-          [jnp.arange(num_pages - 1, 0, -1, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
-      ),
-      num_free=jnp.array(num_pages - 1, jnp.int32),
-      status=jnp.array(Status.OK, jnp.int32),
-  )
+  pages = PageTable.empty(table_shape, num_pages)
   slots = {spec.name: spec.init(num_pages, page_size) for spec in slot_specs}
   return jnp.zeros(pool, dtype), jnp.zeros(pool, dtype), slots, pages
 
@@ -316,31 +307,6 @@ def _merge_slots(*groups: tuple[Slot, ...]) -> tuple[Slot, ...]:
     if merged.setdefault(spec.name, spec) != spec:
       raise ValueError(f"slot {spec.name!r} declared twice: {merged[spec.name]} and {spec}")
   return tuple(merged.values())
-
-
-def _exclusive_cumsum(x):
-  return jnp.cumsum(x) - x
-
-
-def _allocate(cache: PagedKVCache, layer, new_length: Int[Array, "B H"]):
-  """Pops pages so that layer `layer` can hold `new_length` tokens per sequence."""
-  ps = cache.config.page_size
-  table_BxHxM = cache.page_table[layer]
-  cur = -(-cache.length[layer] // ps)  # [B, H] pages held
-  need = -(-new_length // ps) - cur  # [B, H] pages to add (>= 0)
-  total = need.sum()
-  num_free = cache.pages.num_free
-  fits = (total <= num_free) & (new_length <= cache.config.max_tokens).all()
-  max_new = table_BxHxM.shape[-1]
-  j = jnp.arange(max_new)  # candidate new page index per sequence
-  rank = _exclusive_cumsum(need.reshape(-1)).reshape(need.shape)[..., None] + j  # [B, H, M]
-  valid = (j < need[..., None]) & fits
-  page = cache.pages.free_pages[jnp.clip(num_free - 1 - rank, 0, cache.num_pages - 1)]
-  slot = jnp.where(valid, cur[..., None] + j, max_new)  # out of range -> dropped
-  table_BxHxM = jax.vmap(jax.vmap(lambda t, s, p: t.at[s].set(p, mode="drop")))(
-      table_BxHxM, slot, page
-  )
-  return table_BxHxM, jnp.where(fits, num_free - total, num_free), fits
 
 
 def append_layer(
@@ -376,9 +342,8 @@ def append_layer(
   ps = cache.config.page_size
   length = cache.length[layer]  # [B, H]
   new_length = length + num_new[:, None]
-  table_BxHxM, num_free, fits = _allocate(cache, layer, new_length)
-
-  page, offset = token_coordinates(table_BxHxM, length, num_new * fits, t, ps, cache.num_pages)
+  pages, fits = cache.pages.allocate(layer, new_length, ps, cache.config.max_tokens)
+  page, offset = token_slots(pages.table[layer], length, num_new * fits, t, ps, cache.num_pages)
   dtype = cache.k_pages.dtype
   per_token = lambda x: jnp.broadcast_to(x[..., None], page.shape)  # noqa: E731
   status = cache.status | jnp.where(
@@ -402,31 +367,8 @@ def append_layer(
       k_pages=cache.k_pages.at[page, offset].set(k.astype(dtype), mode="drop"),
       v_pages=cache.v_pages.at[page, offset].set(v.astype(dtype), mode="drop"),
       slots=slots,
-      pages=cache.pages.replace(
-          table=cache.page_table.at[layer].set(table_BxHxM),
-          length=cache.length.at[layer].set(jnp.where(fits, new_length, length)),
-          num_free=num_free,
-          status=status.astype(jnp.int32),
-      ),
+      pages=pages.replace(status=status.astype(jnp.int32)),
   )
-
-
-def token_coordinates(
-    table_BxHxM: Int[Array, "B H M"],
-    first_slot: Int[Array, "B H"],
-    num_new: Int[Array, " B"],
-    t: int,
-    page_size: int,
-    num_pages: int,
-) -> tuple[Int[Array, "B T H"], Int[Array, "B T H"]]:
-  """Physical (page, offset) of the T tokens of each row that start at logical slot
-  `first_slot`. Tokens t >= num_new[b] get page `num_pages`, out of range, so that
-  scatters with mode="drop" skip them."""
-  slot = first_slot[:, None, :] + jnp.arange(t)[None, :, None]  # [B, T, H]
-  live = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
-  logical_page = jnp.clip(slot // page_size, 0, table_BxHxM.shape[-1] - 1)
-  page = jnp.take_along_axis(table_BxHxM, logical_page.transpose(0, 2, 1), axis=-1)
-  return jnp.where(live, page.transpose(0, 2, 1), num_pages), slot % page_size
 
 
 def append(
@@ -525,30 +467,6 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
   table = cache.page_table[layer, row, head]
   take = lambda x: np.asarray(x[table].reshape(-1, *x.shape[2:])[:n])  # noqa: E731
   return take(cache.k_pages), take(cache.v_pages), take(cache.slot("position"))
-
-
-def live_pages(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
-  """Host-side: the mask of page-table entries sequences own [L, B, H, M], and the physical
-  pages of those entries in table order (each live page once: no page is shared)."""
-  one_device(cache, "live_pages")
-  table, length = np.asarray(cache.page_table), np.asarray(cache.length)
-  owned = np.arange(table.shape[-1]) < (-(-length // cache.config.page_size))[..., None]
-  return owned, table[owned]
-
-
-def packed_table(owned: np.ndarray) -> np.ndarray:
-  """The page table of a pool whose live pages are 1..n in table order (`live_pages`)."""
-  table = np.full(owned.shape, NULL_PAGE, np.int32)
-  table[owned] = np.arange(1, owned.sum() + 1, dtype=np.int32)
-  return table
-
-
-def free_stack(num_pages: int, num_live: int) -> np.ndarray:
-  """The free stack of a pool whose pages 1..num_live are live: the rest, low ids popped
-  first (the stack top is at num_free - 1, as `init_cache` lays it out)."""
-  free = np.zeros(num_pages, np.int32)
-  free[: num_pages - 1 - num_live] = np.arange(num_pages - 1, num_live, -1)
-  return free
 
 
 def check_status(cache: PagedKVCache) -> None:

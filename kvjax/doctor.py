@@ -149,6 +149,7 @@ def _check_full_cache(model, ids):
 def _check_kernel():
   """The paged-attention kernel (interpret mode off TPU/GPU) against the reference, with
   NaN in the pages no sequence owns."""
+  from kvjax.pages import pages_for
   from pallas_kernels.paged_attention import paged_attention
 
   rng = np.random.default_rng(0)
@@ -162,7 +163,7 @@ def _check_kernel():
   ids = iter(range(1, pool))
   for i in range(b):
     for h in range(hkv):
-      for j in range(-(-lengths[i, h] // ps)):
+      for j in range(pages_for(lengths[i, h], ps)):
         table[i, h, j] = next(ids)
         owned[table[i, h, j]] = True
   k[~owned], v[~owned] = np.nan, np.nan  # an unused page that leaks shows up as NaN

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import NULL_PAGE, PagedKVCache, Status, logical_view, one_device, valid_mask
+from kvjax.cache import PagedKVCache, Status, logical_view, one_device, valid_mask
+from kvjax.pages import locate
 from pallas_kernels.group_importance import group_importance
 
 
@@ -129,105 +130,53 @@ def evict(
   return jax.lax.cond(needs.any(), run, lambda c: c, cache)
 
 
-def _compact_index(keep: Bool[Array, "... X"]) -> Int[Array, "... X"]:
-  """New index of each kept element when kept elements move to the front, in order;
-  dropped elements map to X (out of range, so scatters with mode='drop' skip them)."""
-  return jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, keep.shape[-1])
-
-
-def _free(cache: PagedKVCache, freed: Bool[Array, "L B H M"]) -> PagedKVCache:
-  """Pushes the pages marked in `freed` (page-table positions) onto the free stack."""
-  pages = cache.page_table.reshape(-1)
-  flag = freed.reshape(-1)
-  num_free = cache.pages.num_free
-  dest = jnp.where(flag, num_free + jnp.cumsum(flag) - 1, cache.num_pages)
-  drop = jnp.where(flag, pages, cache.num_pages)
-  return cache.replace(
-      pages=cache.pages.replace(
-          free_pages=cache.pages.free_pages.at[dest].set(pages, mode="drop"),
-          num_free=num_free + flag.sum(),
-      ),
-      # Freed pages carry no per-slot state into their next owner.
-      slots={
-          spec.name: cache.slots[spec.name].at[drop].set(spec.empty, mode="drop")
-          for spec in cache.slot_specs
-      },
-  )
-
-
 def _evict_pages(cache: PagedKVCache, evicted: Bool[Array, "L B H M"]) -> PagedKVCache:
-  cache = _free(cache, evicted)
-  keep = ~evicted
-  table = jax.vmap(lambda t, i: jnp.full_like(t, NULL_PAGE).at[i].set(t, mode="drop"))(
-      cache.page_table.reshape(-1, cache.config.max_pages),
-      _compact_index(keep).reshape(-1, cache.config.max_pages),
-  ).reshape(cache.page_table.shape)
-  length = cache.length - evicted.sum(-1) * cache.config.page_size
-  return cache.replace(pages=cache.pages.replace(table=table, length=length))
+  return cache.freed(*cache.pages.drop(evicted, cache.config.page_size))
 
 
 def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> PagedKVCache:
-  ps, m = cache.config.page_size, cache.config.max_pages
+  ps = cache.config.page_size
   keep = ~evicted & valid_mask(cache)
-  new_slot = _compact_index(keep)  # [L, B, H, N]
+  # New slot of each kept token when kept tokens move to the front, in order (dropped ones
+  # map past the end); destinations are never after their sources, and the gather reads
+  # the old pool, so compaction in place is safe.
+  new_slot = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, keep.shape[-1])  # [L, B, H, N]
   new_length = keep.sum(-1)
-  # Source and destination physical coordinates; destinations are never after their
-  # sources, and the gather reads the old pool, so compaction in place is safe.
-  src_page = jnp.repeat(cache.page_table, ps, axis=-1)
-  src_off = jnp.broadcast_to(jnp.arange(cache.config.max_tokens) % ps, src_page.shape)
-  dst_page = jnp.take_along_axis(cache.page_table, jnp.minimum(new_slot // ps, m - 1), axis=-1)
+  src_page, src_off = cache.pages.slots(ps)
+  dst_page, dst_off = locate(cache.page_table, new_slot, ps)
   dst_page = jnp.where(keep, dst_page, cache.num_pages)
-  dst_off = new_slot % ps
+  src_off = jnp.broadcast_to(src_off, src_page.shape)
 
   def move(x):
     return x.at[dst_page, dst_off].set(x[src_page, src_off], mode="drop")
 
-  # Slots left behind the new tail hold stale state: clear it.
-  idx = jnp.arange(cache.config.max_tokens)
-  stale = (idx >= new_length[..., None]) & (idx < cache.length[..., None])
-  stale_page = jnp.where(stale, src_page, cache.num_pages)
-
-  def clear(x, empty):
-    return x.at[stale_page, src_off].set(empty, mode="drop")
-
   cache = cache.replace(
       k_pages=move(cache.k_pages),
       v_pages=move(cache.v_pages),
-      slots={
-          spec.name: clear(move(cache.slots[spec.name]), spec.empty) for spec in cache.slot_specs
-      },
+      slots={name: move(x) for name, x in cache.slots.items()},
   )
-  held = -(-cache.length // ps)
-  kept_pages = -(-new_length // ps)
-  page_idx = jnp.arange(m)
-  freed = (page_idx >= kept_pages[..., None]) & (page_idx < held[..., None])
-  cache = _free(cache, freed)
-  return cache.replace(
-      pages=cache.pages.replace(
-          table=jnp.where(freed, NULL_PAGE, cache.page_table), length=new_length
-      )
-  )
+  return _shorten(cache, new_length)
 
 
-def truncate(cache: PagedKVCache, length: Int[Array, "L B H"]) -> PagedKVCache:
-  """Drops every token of each sequence past `length` (e.g. a scratch continuation that
-  scored the context): their pages go back to the pool, their slots are cleared."""
-  one_device(cache, "truncate")
-  ps, m = cache.config.page_size, cache.config.max_pages
-  length = jnp.minimum(jnp.asarray(length, jnp.int32), cache.length)
+def _shorten(cache: PagedKVCache, length: Int[Array, "L B H"]) -> PagedKVCache:
+  """Every sequence cut to `length` (<= its own): the slots left behind reset to empty (no
+  stale state at a slot a later token takes), the pages past it freed."""
   idx = jnp.arange(cache.config.max_tokens)
   stale = (idx >= length[..., None]) & (idx < cache.length[..., None])
-  page = jnp.where(stale, jnp.repeat(cache.page_table, ps, axis=-1), cache.num_pages)
-  offset = jnp.broadcast_to(idx % ps, page.shape)
+  page, offset = cache.pages.slots(cache.config.page_size)
+  page = jnp.where(stale, page, cache.num_pages)
+  offset = jnp.broadcast_to(offset, page.shape)
   cache = cache.replace(
       slots={
           spec.name: cache.slots[spec.name].at[page, offset].set(spec.empty, mode="drop")
           for spec in cache.slot_specs
       }
   )
-  page_idx = jnp.arange(m)
-  freed = (page_idx >= -(-length // ps)[..., None]) & (page_idx < cache.pages_in_use()[..., None])
-  cache = _free(cache, freed)
-  return cache.replace(
-      pages=cache.pages.replace(table=jnp.where(freed, NULL_PAGE, cache.page_table), length=length)
-  )
+  return cache.freed(*cache.pages.cut(length, cache.config.page_size))
+
+
+def truncate(cache: PagedKVCache, length: Int[Array, "L B H"]) -> PagedKVCache:
+  """Drops every token of each sequence past `length` (e.g. a scratch continuation that
+  scored the context): their pages go back to the pool, their slots are cleared."""
+  one_device(cache, "truncate")
+  return _shorten(cache, jnp.minimum(jnp.asarray(length, jnp.int32), cache.length))

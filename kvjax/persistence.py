@@ -47,15 +47,8 @@ import numpy as np
 
 from kvjax import _files
 from kvjax.allocation import HeadAllocation
-from kvjax.cache import (
-    NULL_PAGE,
-    PagedKVCache,
-    PageTable,
-    Slot,
-    free_stack,
-    live_pages,
-    packed_table,
-)
+from kvjax import pages
+from kvjax.cache import PagedKVCache, Slot
 from kvjax.config import CacheConfig
 from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import EvictionPlan, get_policy
@@ -306,13 +299,16 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
   """The arrays to write: live pages in page-table order (the table renumbered to match,
   1..n), and the state's small arrays."""
   cache = state.cache
-  owned, live_ids = live_pages(cache)
-  live_ids = jnp.asarray(live_ids)
+  # The pool compacted to its live pages (no headroom): page 0 is the null page, dropped.
+  _, live, gather, packed, _ = pages.compact_plan(
+      np.asarray(cache.page_table)[None], np.asarray(cache.length)[None], cache.config.page_size, 0
+  )
+  live_ids = jnp.asarray(gather[0, 1 : 1 + live[0]])
   take = lambda x: np.asarray(jnp.take(x, live_ids, axis=0))  # noqa: E731
   arrays = {
       "k_pages": take(cache.k_pages),
       "v_pages": take(cache.v_pages),
-      "table": packed_table(owned),
+      "table": packed[0],
       "length": np.asarray(cache.length),
       "status": np.asarray(cache.status),
       "logits": np.asarray(state.logits),
@@ -541,7 +537,10 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
           "that the saved state lacks (saved by another kvjax version); prefill again"
       )
   num_pages, live = saved_cache["num_pages"], saved_cache["live_pages"]
-  if int(arrays["table"].max(initial=NULL_PAGE)) != live or arrays["k_pages"].shape[0] != live:
+  if (
+      int(arrays["table"].max(initial=pages.NULL_PAGE)) != live
+      or arrays["k_pages"].shape[0] != live
+  ):
     raise StateFileError(f"{version}: its page table does not match its {live} saved pages")
 
   def pool(saved: np.ndarray, empty) -> jax.Array:
@@ -553,12 +552,8 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
       k_pages=pool(arrays["k_pages"], 0),
       v_pages=pool(arrays["v_pages"], 0),
       slots={s.name: pool(arrays[f"slot.{s.name}"], s.empty) for s in slot_specs},
-      pages=PageTable(
-          table=jnp.asarray(arrays["table"]),
-          length=jnp.asarray(arrays["length"]),
-          free_pages=jnp.asarray(free_stack(num_pages, live)),
-          num_free=jnp.asarray(np.int32(num_pages - 1 - live)),
-          status=jnp.asarray(arrays["status"]),
+      pages=pages.PageTable.packed(
+          arrays["table"], arrays["length"], num_pages, live, arrays["status"]
       ),
       config=config,
       slot_specs=slot_specs,

@@ -28,7 +28,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import scores as S
 from kvjax.scorer import Scorer, default_scorer
-from kvjax.cache import PagedKVCache, Slot, logical_view, token_coordinates, valid_mask
+from kvjax.cache import PagedKVCache, Slot, logical_view, valid_mask
+from kvjax.pages import token_slots
 from kvjax.eviction import evict, lowest, protection_mask, sort_keys
 from kvjax.sharding import all_heads, any_shard, my_heads, shard_key
 from pallas_kernels import output_impact as output_impact_kernel
@@ -65,10 +66,8 @@ def read_layer(cache: PagedKVCache, name: str, layer) -> Array:
 def write_layer(cache: PagedKVCache, name: str, layer, values: Float[Array, "B H N"]):
   """The cache with logical-order `values` written to one layer's live slots of `name`."""
   x = cache.slot(name)
-  ps = cache.config.page_size
-  pages = jnp.repeat(cache.page_table[layer], ps, axis=-1)  # [B, H, N]
+  pages, offsets = cache.pages.slots(cache.config.page_size, layer)  # [B, H, N], [N]
   pages = jnp.where(valid_mask(cache, layer), pages, cache.num_pages)
-  offsets = jnp.arange(cache.config.max_tokens) % ps
   return cache.with_slots(**{name: x.at[pages, offsets].set(values.astype(x.dtype), mode="drop")})
 
 
@@ -79,7 +78,7 @@ def write_new_tokens(
   appended to one layer: the last num_new[b] tokens of every kv head of row b (`values`
   [B, T] for all kv heads alike, or [B, T, H] per kv head)."""
   b, t = values.shape[:2]
-  page, offset = token_coordinates(
+  page, offset = token_slots(
       cache.page_table[layer],
       cache.length[layer] - num_new[:, None],
       num_new,

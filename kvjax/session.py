@@ -27,17 +27,15 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax import pages
 from kvjax.cache import (
-    NULL_PAGE,
     WARNINGS,
     NumericsError,
     PagedKVCache,
     Status,
     check_status,
-    free_stack,
     init_cache,
     logical_view,
-    packed_table,
     valid_mask,
 )
 from kvjax import sharding as shards
@@ -511,9 +509,7 @@ def decode(
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
-  steps = compiled(
-      _decode, {"graphdef": graphdef, "evict": evict}, *args, returns=_decode_returns
-  )
+  steps = compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args, returns=_decode_returns)
   start = time.perf_counter()
   decoding = jax.block_until_ready(steps(*args))
   seconds = time.perf_counter() - start
@@ -715,7 +711,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   # Per shard (one on a single device): each shard's pool serves its own sequences.
   length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
   num_free = np.atleast_1d(shards.to_host(cache.pages.num_free))  # [G]
-  held = -(-length // ps)
+  held = pages.pages_for(length, ps)
   shard_total = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
   eviction = state.plan.eviction
   if eviction is not None:
@@ -726,12 +722,12 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     margin = ps + state.plan.chunk
     peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + margin
     target = np.minimum(length + more, np.maximum(peak, length + margin))
-    needed = shard_total(np.maximum(-(-target // ps) - held, 0))
-    capacity = max(cfg.max_tokens, -(-int(target.max()) // ps) * ps)
+    needed = shard_total(np.maximum(pages.pages_for(target, ps) - held, 0))
+    capacity = max(cfg.max_tokens, pages.pages_for(int(target.max()), ps) * ps)
     if (needed <= num_free).all() and capacity == cfg.max_tokens:
       return state
     return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
-  needed = shard_total(-(-(length + more) // ps) - held)
+  needed = shard_total(pages.pages_for(length + more, ps) - held)
   capacity = cfg.max_tokens
   if int(length.max()) + more <= capacity and (needed <= num_free).all():
     return state
@@ -740,7 +736,7 @@ def _fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   top = math.ceil(shape.max_context / ps) * ps
   if int(length.max()) + more > capacity:
     capacity = min(capacity_bucket(int(length.max()) + room, ps, shape.max_context), top)
-  needed = shard_total(-(-np.minimum(length + room, capacity) // ps) - held)
+  needed = shard_total(pages.pages_for(np.minimum(length + room, capacity), ps) - held)
   return _grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
 
 
@@ -758,10 +754,7 @@ def _grow(state: State, capacity: int, extra: int) -> State:
     return jnp.concatenate([x, more], axis=axis)
 
   old_free = shards.per_shard(cache, shards.to_host(cache.pages.free_pages))  # [G, P]
-  free = np.zeros((len(num_free), p + extra), np.int32)
-  for g, n in enumerate(num_free):
-    free[g, :n] = old_free[g, :n]
-    free[g, n : n + extra] = np.arange(p + extra - 1, p - 1, -1)
+  free = pages.grown_free_stacks(old_free, num_free, extra)
   table = cache.page_table
   new_cfg = dataclasses.replace(cfg, max_tokens=capacity, num_pages=p + extra)
   grown = cache.replace(
@@ -773,7 +766,9 @@ def _grow(state: State, capacity: int, extra: int) -> State:
               [
                   table,
                   jnp.full(
-                      (*table.shape[:-1], new_cfg.max_pages - cfg.max_pages), NULL_PAGE, jnp.int32
+                      (*table.shape[:-1], new_cfg.max_pages - cfg.max_pages),
+                      pages.NULL_PAGE,
+                      jnp.int32,
                   ),
               ],
               axis=-1,
@@ -856,7 +851,7 @@ def _reconstruct(
   # One step per pass (the pass length rounded up to a page): prefill-sized steps would pad
   # a 512 + prompt pass to three 256-token chunks, a third of them padding.
   ps = plan.config.page_size
-  step = min(-(-(chunk + len(prompt)) // ps) * ps, plan.config.max_tokens - longest)
+  step = min(pages.pages_for(chunk + len(prompt), ps) * ps, plan.config.max_tokens - longest)
   state = state.replace(cache=cache, plan=dataclasses.replace(plan, chunk=max(step, 1)))
   for start in range(0, longest, chunk):
     piece = [prompt + row[start : start + chunk] for row in encoded.ids]
@@ -903,21 +898,12 @@ def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:
   """The cache in a pool of exactly its live pages, plus room for `reserve` more tokens per
   sequence: evicted memory is returned, not only marked free. A sharded cache compacts
   every shard's pool on its own; they share one size (the largest need)."""
-  ps = cache.config.page_size
   length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
   table = shards.blocks(cache, shards.to_host(cache.page_table))  # [G, L, b, h, M]
-  owned = np.arange(table.shape[-1]) < (-(-length // ps))[..., None]
-  live = owned.sum(axis=(1, 2, 3, 4))  # [G]
-  headroom = (-(-(length + reserve) // ps) - owned.sum(-1)).sum(axis=(1, 2, 3))  # [G]
-  num_pages = 1 + int((live + headroom).max())
   # Shard g's new pool: its null page, its live pages in table order, then free pages.
-  gather = np.full((len(live), num_pages), NULL_PAGE, np.int32)
-  packed = np.zeros_like(table)
-  free = np.zeros((len(live), num_pages), np.int32)
-  for g in range(len(live)):
-    gather[g, 1 : 1 + live[g]] = table[g][owned[g]]
-    packed[g] = packed_table(owned[g])
-    free[g] = free_stack(num_pages, live[g])
+  num_pages, live, gather, packed, free = pages.compact_plan(
+      table, length, cache.config.page_size, reserve
+  )
   used = np.arange(num_pages) <= live[:, None]  # [G, num_pages]
 
   def compact(x, empty):

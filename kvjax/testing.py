@@ -6,7 +6,8 @@ import contextlib
 
 import numpy as np
 
-from kvjax.cache import NULL_PAGE, PagedKVCache
+from kvjax.cache import PagedKVCache
+from kvjax.pages import NULL_PAGE, pages_for
 
 
 def assert_cache_invariants(cache: PagedKVCache) -> None:
@@ -48,7 +49,7 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   length = np.asarray(cache.length)
   num_free = int(cache.pages.num_free)
   assert (0 <= length).all() and (length <= cfg.max_tokens).all(), "length out of range"
-  held = -(-length // cfg.page_size)
+  held = pages_for(length, cfg.page_size)
   owned_mask = np.arange(cfg.max_pages) < held[..., None]
   owned = table[owned_mask]
   assert (table[~owned_mask] == NULL_PAGE).all(), "unowned table entries must be null"
