@@ -213,7 +213,7 @@ def _tiny_learned(model):
   """The learned policy with a random scorer made for `model` (the shipped scorer is the
   default model's)."""
   from kvjax.policies import Learned
-  from kvjax.scorer import Scorer
+  from kvjax.policies.learned import Scorer
   from kvjax.fingerprint import model_fingerprint
   from kvjax.seam import ModelShape
 

@@ -125,9 +125,10 @@ def forward(
         f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
         f"needs {shape.n_layers} x {shape.n_kv_heads}"
     )
-  per_head = policy is not None and policy.needs_head_probs
-  want_lse = policy is not None and policy.needs_lse
-  want_probs = policy is not None and (policy.needs_probs or per_head)
+  reads = frozenset() if policy is None else policy.reads
+  per_head = "head_probs" in reads
+  want_lse = "lse" in reads
+  want_probs = "probs" in reads or per_head
 
   def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer):
     cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
@@ -201,7 +202,7 @@ def forward(
           specs=(P(), row, row, P(DATA)),
       )
 
-  full_logits = policy is not None and policy.needs_logits
+  full_logits = "logits" in reads
   logits, cache = model.run(
       tokens,
       positions,

@@ -40,9 +40,9 @@ from kvjax.cache import (
 )
 from kvjax import sharding as shards
 from kvjax.compilation import compile_stats, compiled
-from kvjax.eviction import evict, protection_mask
+
 from kvjax.eviction import truncate as _truncate_cache
-from kvjax.policies import head_budgets
+from kvjax.policies import evict_once
 from kvjax.prompts import EncodedPrompts, encode_prompts
 from kvjax.seam import ModelShape, forward, query_heads
 from kvjax.spec import CachePlan, CompressionSpec, capacity_bucket
@@ -783,24 +783,43 @@ def _grow(state: State, capacity: int, extra: int) -> State:
   )
 
 
-# ---- query-agnostic compression (KVzip) ----------------------------------------------------
+# ---- a context compressed once ------------------------------------------------------------
 
-RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+
+@dataclasses.dataclass(frozen=True)
+class _ContextReader:
+  """What a policy's `score_context` may do with a context before it is compressed: read
+  tokens into the state (observing, or not) and cut the cache back."""
+
+  model: object
+  tokenizer: object
+  shape: ModelShape
+
+  def read(
+      self, state, encoded, *, observe=True, key=None, step="prefill", chunk=None, progress=None
+  ) -> State:
+    """`encoded` read after each row's tokens, the policy observing (unless not `observe`)
+    and nothing evicted; `chunk`: tokens per compiled step instead of the plan's."""
+    plan = state.plan
+    reading = plan if observe else dataclasses.replace(plan, eviction=None)
+    if chunk is not None:
+      reading = dataclasses.replace(reading, chunk=chunk)
+    key = state.key if key is None else key
+    state = _prefill(self.model, state.replace(plan=reading), encoded, key, progress, step=step)
+    return state.replace(plan=plan)
+
+  def cut(self, state, length) -> State:
+    """The state with every sequence cut back to `length` tokens (their pages freed)."""
+    return state.replace(cache=_truncate(state.cache, length))
 
 
 def _read_and_score(
     model, state: State, encoded: EncodedPrompts, tokenizer, shape, progress=None
 ) -> State:
-  """The context read into the cache with nothing evicted, and scored: observed while it is
-  read, or (kvzip) by having the model repeat it afterwards."""
-  plan = state.plan
-  reconstructs = plan.eviction.policy.reconstructs
-  reading = dataclasses.replace(plan, eviction=None) if reconstructs else plan
-  state = _prefill(model, state.replace(plan=reading), encoded, state.key, progress)
-  state = state.replace(plan=plan)
-  if reconstructs:
-    state = _reconstruct(model, state, encoded, tokenizer, shape)
-  return state
+  """The context read into the cache with nothing evicted, and scored as its policy says
+  (`Policy.score_context`: observed while it is read, or by kvzip's reconstruction)."""
+  reader = _ContextReader(model, tokenizer, shape)
+  return state.plan.eviction.policy.score_context(reader, state, encoded, progress)
 
 
 def _compress(state: State, reserve: int) -> State:
@@ -810,7 +829,7 @@ def _compress(state: State, reserve: int) -> State:
   plan = state.plan
   spec = plan.spec
   threshold = jnp.float32(spec.threshold if spec.auto else 0.0)  # traced: no recompile
-  cache = _evict_once(
+  cache = evict_once(
       state.cache,
       threshold,
       jax.random.fold_in(state.key, 2),
@@ -829,40 +848,6 @@ def _compress(state: State, reserve: int) -> State:
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
 
 
-def _reconstruct(
-    model, state: State, encoded: EncodedPrompts, tokenizer, shape: ModelShape
-) -> State:
-  """KVzip's scores: the model repeats the context after it, one chunk per pass; a key's
-  score is the most attention any repeating query pays it."""
-  policy = state.plan.eviction.policy
-  prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
-  longest = int(encoded.lengths.max())
-  chunk = min(policy.chunk, shape.max_context - longest - len(prompt))
-  if chunk < 1:
-    raise ValueError(
-        f"policy {policy.name!r} repeats the context after it: a context of {longest} tokens "
-        f"leaves no room in the model context {shape.max_context}"
-    )
-  # Each pass repeats one chunk after the whole context, then the repeated tokens are
-  # dropped again: memory peaks at the context + one chunk, and scores accumulate (max).
-  context_length = jnp.copy(state.cache.length)
-  logits, position, plan = state.logits, state.position, state.plan
-  cache = state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
-  # One step per pass (the pass length rounded up to a page): prefill-sized steps would pad
-  # a 512 + prompt pass to three 256-token chunks, a third of them padding.
-  ps = plan.config.page_size
-  step = min(pages.pages_for(chunk + len(prompt), ps) * ps, plan.config.max_tokens - longest)
-  state = state.replace(cache=cache, plan=dataclasses.replace(plan, chunk=max(step, 1)))
-  for start in range(0, longest, chunk):
-    piece = [prompt + row[start : start + chunk] for row in encoded.ids]
-    piece = EncodedPrompts(piece, [[False] * len(r) for r in piece], [[0] * len(r) for r in piece])
-    state = _prefill(
-        model, state, piece, jax.random.fold_in(state.key, start), step=f"{policy.name} scoring"
-    )
-    state = state.replace(cache=_truncate(state.cache, context_length), position=position)
-  return state.replace(logits=logits, plan=plan)
-
-
 @jax.jit
 def _truncate(cache: PagedKVCache, length) -> PagedKVCache:
   """The cache cut back to `length` tokens per sequence (on every shard)."""
@@ -870,28 +855,6 @@ def _truncate(cache: PagedKVCache, length) -> PagedKVCache:
       _truncate_cache, cache, length, specs=(P(None, shards.DATA, shards.MODEL),)
   )
   return shards.constrain(cut)
-
-
-@functools.partial(jax.jit, static_argnames=("policy", "sharing", "auto", "impl", "allocation"))
-def _evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, impl, allocation):
-  """Every sequence evicted to its share of the scored context (`policies.head_budgets`),
-  ranked through the learned head `allocation` when the spec has one."""
-
-  def evict_here(cache, threshold, key):
-    ranked = policy.scores(cache, key)
-    if allocation is not None:
-      ranked = allocation.rank(ranked)
-    counts = head_budgets(
-        ranked,
-        protection_mask(cache),
-        valid_mask(cache),
-        jnp.full((cache.num_layers,), cache.config.budget, jnp.int32),
-        sharing,
-        threshold=threshold if auto else None,
-    )
-    return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
-
-  return shards.constrain(shards.on_shards(evict_here, cache, threshold, key, specs=(P(), P())))
 
 
 def _compact_pool(cache: PagedKVCache, reserve: int) -> PagedKVCache:

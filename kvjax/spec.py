@@ -141,7 +141,7 @@ class CompressionSpec:
         fail(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     if self.compress is not None and self.compress not in COMPRESS_MODES:
       fail(f"compress must be one of {COMPRESS_MODES} or None, got {self.compress!r}")
-    if self.compress == "running" and self.policy.query_agnostic:
+    if self.compress == "running" and self.policy.mode == "once":
       fail(
           f"policy {self.policy.name!r} scores a whole context at once: compress='running' "
           "does not apply"
@@ -253,14 +253,14 @@ class CompressionSpec:
     """The context is read whole, then compressed once (`compress` or the policy's default)."""
     if self.compress is not None:
       return self.compress == "once" and self.evicts
-    return self.policy.query_agnostic
+    return self.policy.mode == "once"
 
   @property
   def group(self) -> int:
     """Eviction granularity in tokens."""
     if self.group_size is not None:
       return self.group_size
-    return 1 if self.policy.token_level else self.page_size
+    return 1 if self.policy.granularity == "token" else self.page_size
 
   def replace(self, **changes) -> "CompressionSpec":
     return dataclasses.replace(self, **changes)

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from kvjax.eval._data import text_windows
-from kvjax.scorer import Scorer, normalise
+from kvjax.policies.learned import Scorer, normalise
 from kvjax.fingerprint import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.spec import CompressionSpec

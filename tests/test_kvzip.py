@@ -108,7 +108,7 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   spec = kvjax.CompressionSpec(policy=policies.KVzip(chunk=64), budget=64, sink=4, recent=8)
   ids = tokenizer.encode(CONTEXT)
   kvjax.prefill(model, [ids], spec, tokenizer=tokenizer)
-  prompt = tokenizer.encode(kvjax.session.RECONSTRUCTION_PROMPT)
+  prompt = tokenizer.encode(kvjax.policies.kvzip.RECONSTRUCTION_PROMPT)
   assert seen[0] == ids  # the context itself, then one pass per 64-token chunk
   assert seen[1:] == [prompt + ids[i : i + 64] for i in range(0, len(ids), 64)]
 

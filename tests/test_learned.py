@@ -7,7 +7,7 @@ import pytest
 
 import kvjax
 from kvjax import cli, policies, training
-from kvjax.scorer import Scorer
+from kvjax.policies.learned import Scorer
 from kvjax.seam import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
@@ -243,7 +243,8 @@ def test_bad_scorer_and_training_arguments_are_clear_errors(tiny):
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
   """Written by hand (as a damaged or hostile file would be): refused by name, never used."""
-  from kvjax import _files, scorer as scorer_module
+  from kvjax import _files
+  from kvjax.policies import learned as scorer_module
 
   weight = np.zeros((2, 4, 3), np.float32)
   weight[1, 2, 0] = bad

@@ -13,13 +13,13 @@ import kvjax
 from kvjax import policies
 from kvjax import scores as S
 from kvjax import Segment
-from kvjax.policies import AttentionStats, EvictionPlan
+from kvjax.policies import AttentionStats, EvictionPlan, info_aware
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
 from models import load_llama
 
 EVICTING = [name for name in policies.POLICIES if name != "full"]
 # Policies that evict during prefill (kvzip scores the whole context first: tests/test_kvzip.py).
-STREAMING = [name for name in EVICTING if not policies.POLICIES[name].query_agnostic]
+STREAMING = [name for name in EVICTING if policies.POLICIES[name].mode == "running"]
 # `learned` scores a model only with a scorer trained for it (tests/test_learned.py).
 ANY_MODEL = [name for name in EVICTING if name != "learned"]
 # Through the model, by default one policy per way of scoring (attention history, a window,
@@ -381,7 +381,7 @@ def test_normalised_ranks_average_ties_and_skip_empty_slots(n):
   x = rng.choice([-1.5, -0.0, 0.0, 0.25, 2.0, np.inf], size=(3, n)).astype(np.float32)
   x[1] = rng.normal(size=n)
   valid = rng.random((3, n)) < 0.7
-  got = np.asarray(policies._normalise(jnp.asarray(x), jnp.asarray(valid)))
+  got = np.asarray(info_aware._normalise(jnp.asarray(x), jnp.asarray(valid)))
   for row in range(3):
     live = x[row][valid[row]]
     for i in range(n):
@@ -454,7 +454,7 @@ def test_random_depends_on_the_key_and_respects_protection():
 @pytest.mark.parametrize("name", EVICTING)
 def test_every_policy_keeps_protected_tokens_of_a_hand_made_cache(name):
   policy = policies.get_policy(name)
-  cfg, n = (TOKEN_CFG, N_TOKENS) if policy.token_level else (BLOCK_CFG, 24)
+  cfg, n = (TOKEN_CFG, N_TOKENS) if policy.granularity == "token" else (BLOCK_CFG, 24)
   protected = np.zeros(n, bool)
   protected[8:12] = True
   extra = policy.init_extra(1, 1, 1, 1, 4)  # 1 layer, row, kv head and query head; D = 4
@@ -511,7 +511,7 @@ def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
     assert must_keep <= set(kept), (seq, sorted(must_keep - set(kept)))
     assert kept == sorted(set(kept)), seq
   lengths = np.asarray(cache.length)
-  if policies.POLICIES[name].query_agnostic:  # one budget for all the row's sequences
+  if policies.POLICIES[name].mode == "once":  # one budget for all the row's sequences
     assert lengths.sum() <= BUDGET * lengths.size + 4  # evicted down from 128 tokens each
   else:
     assert int(lengths.max()) <= BUDGET + PAGE
@@ -771,7 +771,7 @@ def test_knorm_scores_are_the_negated_norms_of_the_cached_keys():
 
 
 def test_only_policies_that_read_the_probabilities_get_them():
-  reads = {name for name, cls in policies.POLICIES.items() if cls().needs_probs}
+  reads = {name for name, cls in policies.POLICIES.items() if cls.reads & {"probs", "head_probs"}}
   assert reads == {
       "h2o",
       "h2o_mean",
@@ -787,7 +787,40 @@ def test_only_policies_that_read_the_probabilities_get_them():
     def observe(self, cache, stats):
       return cache
 
-  assert Custom().needs_probs
+  assert Custom.reads == {"probs"}
+
+  class Lean(policies.Policy):  # one that says it reads nothing but the cache
+    reads = frozenset()
+
+    def observe(self, cache, stats):
+      return cache
+
+  class Child(Lean):  # inherits the declaration
+
+    def observe(self, cache, stats):
+      return cache
+
+  assert Lean.reads == Child.reads == frozenset()
+
+
+def test_a_policy_written_with_the_old_flags_still_works():
+  """Class flags of earlier kvjax (needs_probs, needs_lse, query_agnostic, token_level) are
+  read as `reads`, `mode` and `granularity`, with a DeprecationWarning."""
+  with pytest.warns(DeprecationWarning, match="needs_lse, query_agnostic"):
+
+    class Old(policies.Policy):
+      needs_lse = True
+      query_agnostic = True
+
+      def observe(self, cache, stats):
+        return cache
+
+  assert (Old.reads, Old.mode, Old.granularity) == ({"probs", "lse"}, "once", "token")
+  with pytest.warns(DeprecationWarning):
+    Page = type("Page", (policies.AttentionHistory,), {"token_level": False, "needs_probs": False})
+  assert (Page.reads, Page.mode, Page.granularity) == (frozenset(), "running", "page")
+  with pytest.raises(TypeError, match="reads must be a subset"):
+    type("Bad", (policies.Policy,), {"reads": frozenset({"hidden"})})
 
 
 @pytest.mark.parametrize("name", ["streaming", "knorm", "output_impact", "expected_attention"])
@@ -799,7 +832,8 @@ def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
   ids = np.random.default_rng(0).integers(3, 250, 300).tolist()
   lean_policy = policies.POLICIES[name]()
   # The same policy, but asking for the probabilities (the path every policy took before).
-  heavy = type("WithProbs", (type(lean_policy),), {"needs_probs": True, "__annotations__": {}})
+  reads = type(lean_policy).reads | {"probs"}
+  heavy = type("WithProbs", (type(lean_policy),), {"reads": reads, "__annotations__": {}})
   heavy_policy = dataclasses.dataclass(frozen=True)(heavy)()
   states = [
       kvjax.prefill(model, [ids], kvjax.CompressionSpec(policy=p, budget=96))

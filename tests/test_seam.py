@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import kvjax
-from kvjax.scorer import shipped_path
+from kvjax.policies.learned import shipped_path
 import kvjax.testing
 from kvjax import cli
 

@@ -1,0 +1,214 @@
+"""The policy interface: what a policy declares, the hooks the session calls, the registry.
+
+A policy is a frozen dataclass (hashable, so jitted code specialises on it) that declares
+
+  name       the name `CompressionSpec(policy=...)` and the CLI select it by (`register`)
+  slots      the per-token state it keeps in the cache (name, dtype, empty value): the cache
+             allocates it, eviction moves and clears it with K/V
+  reads      what its `observe` hooks read beyond the cache: a subset of READS. Undeclared,
+             a policy that overrides `observe` reads {"probs"}; nothing else is computed
+             for it (attention then reads only live pages, without probabilities)
+  mode       "running" (evicts while the prompt is read and during decoding) or "once"
+             (reads the whole context, then keeps the best by one ranking of all of it)
+  granularity  "token" or "page": the eviction granularity it defaults to
+
+and overrides any of these hooks, all pure functions of the cache:
+
+  init_extra(...)              state that is not per token (kept in `cache.extra`)
+  observe(cache, stats)        after each layer's attention: update the score history
+  observe_layer(cache, ...)    after each layer: per-token signals from hidden states
+  observe_logits(cache, ...)   after the model's head (reads "logits"): per-token signals
+  scores(cache, key)           at an eviction event: per-slot scores [L, B, H, N], higher = keep
+  score_context(reader, ...)   ("once") how the context is read and scored before the
+                               ranking: read it observing (the default), or more (KVzip)
+  check_model(model)           refuse a model it cannot score, before any work
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import ClassVar
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kvjax.cache import PagedKVCache, Slot, logical_view, valid_mask
+from kvjax.pages import token_slots
+
+READS = frozenset({"probs", "head_probs", "lse", "logits"})
+MODES = ("running", "once")
+GRANULARITIES = ("token", "page")
+# Class variables of earlier kvjax versions, still accepted on a subclass: what they meant.
+_LEGACY_READS = {
+    "needs_probs": "probs",
+    "needs_head_probs": "head_probs",
+    "needs_lse": "lse",
+    "needs_logits": "logits",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStats:
+  """What one layer's attention saw, for `Policy.observe` (N = cache.config.max_tokens)."""
+
+  layer: Int[Array, ""]
+  q: Float[Array, "B T Hq D"]
+  out: Float[Array, "B T Hq D"]
+  probs: Float[Array, "B Hkv T N"] | None  # summed over the query heads of each kv head;
+  # None for a policy that does not ask for them (`Policy.needs_probs`)
+  head_probs: Float[Array, "B Hq T N"] | None  # only when the policy asks for it
+  num_new: Int[Array, " B"]
+  lse: Float[Array, "B T Hq"] | None = None  # per-query-head log-sum-exp, if asked for
+  impl: str = "auto"  # the model's attention_impl, for policies that call kernels
+  positions: Int[Array, "B T"] | None = None  # the chunk's token positions
+  # The model's position encoding, `rotate(x [B, T, H, D], positions [B, T])`, None when the
+  # model does not expose it (an optional part of the seam, see kvjax.seam).
+  rotate: Callable[[Array, Array], Array] | None = None
+
+
+SCORE = Slot("score", "float32", 0.0)  # a policy's running per-token score
+
+
+def read_layer(cache: PagedKVCache, name: str, layer) -> Array:
+  """The per-slot array `name` of one layer in logical order: [B, H, N]."""
+  return logical_view(cache, cache.slot(name), layer)
+
+
+def write_layer(cache: PagedKVCache, name: str, layer, values: Float[Array, "B H N"]):
+  """The cache with logical-order `values` written to one layer's live slots of `name`."""
+  x = cache.slot(name)
+  pages, offsets = cache.pages.slots(cache.config.page_size, layer)  # [B, H, N], [N]
+  pages = jnp.where(valid_mask(cache, layer), pages, cache.num_pages)
+  return cache.with_slots(**{name: x.at[pages, offsets].set(values.astype(x.dtype), mode="drop")})
+
+
+def write_new_tokens(
+    cache: PagedKVCache, name: str, layer, values: Float[Array, "B T *H"], num_new, *, add=False
+):
+  """The cache with per-token `values` set (or added) in slot `name` for the tokens just
+  appended to one layer: the last num_new[b] tokens of every kv head of row b (`values`
+  [B, T] for all kv heads alike, or [B, T, H] per kv head)."""
+  b, t = values.shape[:2]
+  page, offset = token_slots(
+      cache.page_table[layer],
+      cache.length[layer] - num_new[:, None],
+      num_new,
+      t,
+      cache.config.page_size,
+      cache.num_pages,
+  )
+  values = jnp.broadcast_to(values if values.ndim == 3 else values[..., None], page.shape)
+  at = cache.slot(name).at[page, offset]
+  return cache.with_slots(
+      **{name: at.add(values, mode="drop") if add else at.set(values, mode="drop")}
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Base policy: no state, no observation; `scores` reads the "score" slot if declared."""
+
+  name: ClassVar[str] = "base"
+  slots: ClassVar[tuple[Slot, ...]] = ()  # per-token state this policy keeps in the cache
+  reads: ClassVar[frozenset[str]] = frozenset()  # see the module docstring
+  mode: ClassVar[str] = "running"
+  granularity: ClassVar[str] = "token"
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    own = cls.__dict__
+    legacy = [k for k in (*_LEGACY_READS, "query_agnostic", "token_level") if k in own]
+    if legacy:  # a subclass written for an earlier kvjax: its flags, said the new way
+      warnings.warn(
+          f"policy {cls.__name__}: {', '.join(legacy)} are read as `reads`, `mode` and "
+          "`granularity` (see kvjax.policies.base)",
+          DeprecationWarning,
+          stacklevel=2,
+      )
+      reads = set(cls.reads if "reads" in own else _inherited_reads(cls))
+      for flag, what in _LEGACY_READS.items():
+        if flag in own:
+          (reads.add if own[flag] else reads.discard)(what)
+      cls.reads = frozenset(reads)
+      if "query_agnostic" in own:
+        cls.mode = "once" if own["query_agnostic"] else "running"
+      if "token_level" in own:
+        cls.granularity = "token" if own["token_level"] else "page"
+      for flag in legacy:
+        delattr(cls, flag)
+    elif "reads" not in own:
+      cls.reads = _inherited_reads(cls)
+    if not cls.reads <= READS or cls.mode not in MODES or cls.granularity not in GRANULARITIES:
+      raise TypeError(
+          f"policy {cls.__name__}: reads must be a subset of {sorted(READS)}, mode one of "
+          f"{MODES}, granularity one of {GRANULARITIES}; got {set(cls.reads)}, "
+          f"{cls.mode!r}, {cls.granularity!r}"
+      )
+
+  @property
+  def keeps_extra(self) -> bool:
+    """Keeps state that is not per token (`init_extra` overridden): the session then asks
+    the model for its query heads and puts that state in `cache.extra`."""
+    return type(self).init_extra is not Policy.init_extra
+
+  def check_model(self, model) -> None:
+    """Raises ValueError when this policy cannot score `model` (e.g. a scorer trained for
+    another model). Called by `kvjax.prefill` before any work."""
+
+  def init_extra(
+      self, num_layers: int, batch: int, num_kv_heads: int, num_query_heads: int, head_dim: int
+  ) -> dict[str, Array]:
+    """The initial state this policy keeps beside the cache that is not per token (arrays by
+    name, e.g. statistics per layer and row): the session puts it in `cache.extra`, every
+    cache operation carries it, eviction leaves it alone."""
+    return {}
+
+  def observe(self, cache: PagedKVCache, stats: AttentionStats) -> PagedKVCache:
+    return cache
+
+  def observe_layer(self, cache, layer, hidden_in, hidden_out, num_new) -> PagedKVCache:
+    return cache
+
+  def observe_logits(self, cache, logits, num_new) -> PagedKVCache:
+    return cache
+
+  def scores(self, cache: PagedKVCache, key) -> Float[Array, "L B H N"]:
+    return logical_view(cache, cache.slot(SCORE.name))
+
+  def score_context(self, reader, state, context, progress=None):
+    """A context compressed once (`mode == "once"`): the state with `context` read and
+    scored, nothing evicted yet. `reader` (from the session) reads tokens into a state
+    (`reader.read(state, encoded, observe=True, ...)`) and cuts a cache back
+    (`reader.cut(state, length)`). By default the policy observes while the context is
+    read."""
+    return reader.read(state, context, progress=progress)
+
+
+def _inherited_reads(cls) -> frozenset[str]:
+  """What an undeclared subclass reads: its parent's, or {"probs"} where it is the first to
+  override `observe` (probabilities are what an attention hook usually reads)."""
+  parent = next(c for c in cls.__mro__[1:] if issubclass(c, Policy))
+  if "observe" in cls.__dict__ and parent.observe is Policy.observe and not parent.reads:
+    return frozenset({"probs"})
+  return parent.reads
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  """Makes a policy class selectable by its `name` (usable as a decorator)."""
+  POLICIES[cls.name] = cls
+  return cls
+
+
+def get_policy(policy: str | Policy, *, scorer: str | None = None) -> Policy:
+  """The policy of a name (or the policy itself); `scorer`: a trained scorer's directory
+  for 'learned'."""
+  if isinstance(policy, Policy):
+    return policy
+  if policy not in POLICIES:
+    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+  return POLICIES[policy]() if scorer is None else POLICIES[policy](scorer=scorer)

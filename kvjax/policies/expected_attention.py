@@ -1,0 +1,110 @@
+"""Expected Attention: the attention future queries are expected to pay each key."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import scores as S
+from kvjax.cache import Slot, logical_view, valid_mask
+from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(Policy):
+  """Expected Attention (Devoto et al., 2025; kvpress' ExpectedAttentionPress),
+  query-agnostic: the attention future queries are expected to pay each key, estimated from
+  the distribution of the context's own queries.
+
+  While the context is read, each layer keeps the running mean and covariance of every query
+  head's queries before RoPE (the first `sink` positions left out: attention sinks ask
+  atypical questions), in `cache.extra`. The queries of the `n_future` positions after the
+  context are modelled as q = R_p q0 with q0 ~ N(mu, Sigma); averaging the rotation over
+  those positions (Rbar) gives mu' = Rbar mu and Sigma' = Rbar Sigma Rbar^T, to compare with
+  the cached keys, already rotated (q_p . k_j = (R_p q0) . (R_j k0)). A key's score is the
+  softmax over its sequence of the expected logit `kvjax.scores.expected_attention`,
+  averaged over the query heads of its kv head, times ||v_j|| (`use_vnorm`).
+
+  Scores are recomputed from the statistics so far after each chunk (for every live key of
+  the layer), so after the last chunk they reflect the whole context. Needs the model's
+  position encoding: the optional seam method `model.rotate(x, positions)`."""
+
+  name: ClassVar[str] = "expected_attention"
+  slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
+  reads: ClassVar[frozenset[str]] = frozenset()  # observe reads the queries and the keys
+  mode: ClassVar[str] = "once"
+  n_future: int = 512  # future query positions the rotation is averaged over
+  use_covariance: bool = True  # the k^T Sigma' k / 2D term; False: the mean query only
+  use_vnorm: bool = True  # weigh each key's expected attention by ||v_j||
+
+  def __post_init__(self):
+    if isinstance(self.n_future, bool) or not isinstance(self.n_future, int) or self.n_future < 1:
+      raise ValueError(f"n_future must be an int >= 1, got {self.n_future!r}")
+    for name in ("use_covariance", "use_vnorm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+  def check_model(self, model):
+    if not callable(getattr(model, "rotate", None)):
+      raise ValueError(
+          f"policy {self.name!r} needs the model's position encoding: "
+          f"{type(model).__name__} has no `rotate(x, positions)` method (an optional part of "
+          "the seam, see docs/integration.md)"
+      )
+
+  def init_extra(self, num_layers, batch, num_kv_heads, num_query_heads, head_dim):
+    # Host-made zeros: device transfers, no eager op to compile.
+    zeros = lambda *shape: np.zeros((num_layers, batch, *shape), np.float32)  # noqa: E731
+    extra = {"query_count": zeros(), "query_mean": zeros(num_query_heads, head_dim)}
+    if self.use_covariance:
+      extra["query_m2"] = zeros(num_query_heads, head_dim, head_dim)
+    return extra
+
+  def observe(self, cache, stats):
+    if stats.rotate is None or stats.positions is None:
+      raise ValueError(
+          f"policy {self.name!r} needs the chunk's positions and the model's `rotate` in "
+          "AttentionStats (kvjax.seam.forward passes them for a model with `rotate`)"
+      )
+    layer, extra = stats.layer, cache.extra
+    b, t, _, d = stats.q.shape
+    live = (jnp.arange(t) < stats.num_new[:, None]) & (stats.positions >= cache.config.sink)
+    # RoPE undone: a query's content, the same whatever position asks it.
+    unrotated = stats.rotate(stats.q.astype(jnp.float32), -stats.positions)  # [B, T, Hq, D]
+    m2 = extra["query_m2"][layer] if self.use_covariance else None
+    count, mean, m2 = S.merge_moments(
+        extra["query_count"][layer], extra["query_mean"][layer], m2, unrotated, live
+    )
+    updated = {
+        "query_count": extra["query_count"].at[layer].set(count),
+        "query_mean": extra["query_mean"].at[layer].set(mean),
+    }
+    if self.use_covariance:
+      updated["query_m2"] = extra["query_m2"].at[layer].set(m2)
+    cache = cache.with_extra(**updated)
+    # Future queries start right after the row's last token read so far.
+    last = jnp.maximum(stats.num_new - 1, 0)
+    after = stats.positions[jnp.arange(b), last] + 1  # [B]
+    rbar = S.mean_rotation(stats.rotate, after, self.n_future, d)  # [B, D, D]
+    future_mean = jnp.einsum("bij,bhj->bhi", rbar, mean)
+    future_cov = None
+    if self.use_covariance:
+      cov = m2 / jnp.maximum(count, 1.0)[:, None, None, None]  # [B, Hq, D, D]
+      future_cov = jnp.einsum("bij,bhjk,blk->bhil", rbar, cov, rbar)
+    values = logical_view(cache, cache.v_pages, layer) if self.use_vnorm else None
+    score = S.expected_attention(
+        logical_view(cache, cache.k_pages, layer),
+        future_mean,
+        future_cov,
+        valid_mask(cache, layer),
+        values,
+    )
+    # A row with nothing new in this chunk keeps the scores it has.
+    score = jnp.where((stats.num_new > 0)[:, None, None], score, read_layer(cache, "score", layer))
+    return write_layer(cache, "score", layer, score)
+
+
+POLICIES: dict[str, type[Policy]] = {}
