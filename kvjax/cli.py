@@ -579,7 +579,9 @@ def _prefill_and_save(args) -> int:
       "full_kv_bytes": len(tokens) * state.cache.token_bytes,
       # The version just saved (the directory also keeps the one it replaced, until the next).
       "disk_bytes": sum(
-          f.stat().st_size for f in kvjax.persistence.current_version(save).rglob("*") if f.is_file()
+          f.stat().st_size
+          for f in kvjax.persistence.current_version(save).rglob("*")
+          if f.is_file()
       ),
       "prefill_seconds": prefill_seconds,
       "save_seconds": time.perf_counter() - start,

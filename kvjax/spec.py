@@ -403,7 +403,7 @@ class CompressionSpec:
     # No sequence holds more than the request's tokens: the pool never exceeds the full
     # cache's for the same batch (short prompts under a large budget), though it holds at
     # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
-    # request needs more (`session._fit`).
+    # request needs more (`kvjax.pool.fit`).
     request = math.ceil((longest + reserve) / ps)
     pages_per_layer = [
         min(

@@ -13,7 +13,7 @@ import kvjax
 from kvjax import policies
 from kvjax import scores as S
 from kvjax.policies import AttentionStats, ExpectedAttention
-from kvjax.session import _copy
+from kvjax.state import copy as _copy
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 
 CONTEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 4

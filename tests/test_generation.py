@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import compilation, session
+from kvjax import compilation, sampling
 from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models import load_llama
 
@@ -59,13 +59,13 @@ def test_decode_compiles_once_for_a_whole_generation():
 def test_sampling_is_reproducible_and_respects_top_k():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
   key = jax.random.key(3)
-  draws = session.sample(logits, key, 1.0, 2, 1.0)
+  draws = sampling.sample(logits, key, 1.0, 2, 1.0)
   assert set(np.asarray(draws).tolist()) == {0, 1}
-  np.testing.assert_array_equal(draws, session.sample(logits, key, 1.0, 2, 1.0))
-  top_p = session.sample(logits, key, 1.0, 0, 0.7)  # 0.5 + 0.3 reach 0.7
+  np.testing.assert_array_equal(draws, sampling.sample(logits, key, 1.0, 2, 1.0))
+  top_p = sampling.sample(logits, key, 1.0, 0, 0.7)  # 0.5 + 0.3 reach 0.7
   assert set(np.asarray(top_p).tolist()) == {0, 1}
-  np.testing.assert_array_equal(session.sample(logits, key, 0.0, 0, 1.0), 0)
-  full = np.bincount(np.asarray(session.sample(logits, key, 1.0, 0, 1.0)), minlength=4)
+  np.testing.assert_array_equal(sampling.sample(logits, key, 0.0, 0, 1.0), 0)
+  full = np.bincount(np.asarray(sampling.sample(logits, key, 1.0, 0, 1.0)), minlength=4)
   assert full[3] > 0 and full[0] > full[1] > full[2]
 
 

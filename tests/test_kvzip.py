@@ -95,16 +95,16 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   """Every context token is scored by the repeat passes; a token the model attends to more
   while repeating ranks higher than one it ignores (checked on the score slot directly)."""
   model, tokenizer = tiny
-  from kvjax import session
+  from kvjax import steps
 
   seen = []
-  real = session._prefill
+  real = steps.prefill_chunks
 
   def spy(model, state, encoded, key, progress=None, **kwargs):
     seen.append(encoded.ids[0])
     return real(model, state, encoded, key, progress, **kwargs)
 
-  monkeypatch.setattr(session, "_prefill", spy)
+  monkeypatch.setattr(steps, "prefill_chunks", spy)
   spec = kvjax.CompressionSpec(policy=policies.KVzip(chunk=64), budget=64, sink=4, recent=8)
   ids = tokenizer.encode(CONTEXT)
   kvjax.prefill(model, [ids], spec, tokenizer=tokenizer)

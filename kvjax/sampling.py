@@ -1,0 +1,60 @@
+"""Sampling: greedy, or temperature, top-k and top-p; traced values, so changing them does
+not compile again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
+
+  temperature: float = dataclasses.field(default=0.0, metadata={"help": "0 = greedy"})
+  top_k: int = dataclasses.field(
+      default=0, metadata={"help": "keep the k likeliest tokens; 0 = off"}
+  )
+  top_p: float = dataclasses.field(
+      default=1.0, metadata={"help": "keep the smallest set of tokens with this much mass"}
+  )
+
+  def __post_init__(self):
+    if isinstance(self.temperature, bool) or not (
+        isinstance(self.temperature, (int, float)) and self.temperature >= 0
+    ):
+      raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if isinstance(self.top_p, bool) or not (
+        isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
+    ):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+  def arrays(self):
+    """Traced (not static) values: changing them does not recompile."""
+    values = (np.float32(self.temperature), np.int32(self.top_k), np.float32(self.top_p))
+    return tuple(jax.device_put(x) for x in values)  # no eager op: nothing to compile
+
+
+def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[Array, " B"]:
+  """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
+
+  def stochastic(logits):
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
+    v = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    ranked = jnp.where(jnp.arange(v) < k, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
+    return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+
+  greedy = lambda logits: jnp.argmax(logits, axis=-1)  # noqa: E731
+  return jax.lax.cond(temperature > 0, stochastic, greedy, logits).astype(jnp.int32)
