@@ -16,6 +16,7 @@ The session API (any model with the seam of `kvjax.seam`):
 `append`, `evict`) are the layer underneath.
 """
 
+from kvjax._version import __version__ as __version__
 from kvjax.cache import (
     CacheError,
     NumericsError,
@@ -50,8 +51,6 @@ from kvjax.session import (
 from kvjax.sharding import make_mesh, shard_model
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import load_spec, tune
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CacheConfig",

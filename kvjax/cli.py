@@ -289,7 +289,7 @@ _QUICK_POLICIES = ["full", "streaming", "h2o"]
 def _evaluate(args) -> int:
   """Runs one evaluation task (or `bench`) over policies x budgets x request lengths and
   writes results.json, results.md and plots into --out."""
-  from kvjax.eval import _data, _report, _sweep
+  from kvjax.eval import _report, _sweep
 
   task = args.task
   quick = args.quick
@@ -301,29 +301,7 @@ def _evaluate(args) -> int:
   else:
     policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
     budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
-  options = {}
-  if task in ("fidelity", "perplexity"):
-    default_continuation = 64 if task == "fidelity" else 128
-    options["continuation_tokens"] = args.continuation_tokens or (
-        16 if quick else default_continuation
-    )
-    options["windows"] = args.windows or (1 if quick else 2)
-  if task in ("passkey", "retention"):
-    options["depths"] = args.depths or ([0.5] if quick else [0.1, 0.5, 0.9])
-  if task == "passkey":
-    options["trials"] = args.trials or 1
-    if args.jsonl and args.fillers:
-      raise ValueError("--fillers does not apply to --jsonl cases (their own contexts)")
-    if not args.jsonl:
-      options["fillers"] = args.fillers or ["repeat"]
-    if args.text and "text" not in options["fillers"]:
-      raise ValueError("passkey takes --text only as the haystack of --fillers text")
-  if task == "multi_question":
-    options["facts"] = 4 if args.facts is None else args.facts
-    options["trials"] = (1 if quick else 6) if args.trials is None else args.trials
-  if task == "bench":
-    options["decode_steps"] = args.decode_steps or (8 if quick else 32)
-    options["repeats"] = args.repeats or (1 if quick else 3)
+  options = _eval_options(args, task, quick)
   _sweep.check_options(task, options)
   if any(n < 1 for n in lengths):
     raise ValueError(f"--context-tokens must be >= 1, got {lengths}")
@@ -340,21 +318,7 @@ def _evaluate(args) -> int:
   )
   # Files are read and the output directory checked before the model loads.
   out = _report.check_out(args.out or f"kvjax-results/{task}")
-  records, text = None, None
-  if task == "passkey" and args.jsonl:
-    records = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
-    if args.context_tokens:
-      raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
-    data = {"kind": "jsonl", "source": args.jsonl}
-  elif task == "passkey" and "text" not in options["fillers"]:
-    data = {"kind": "synthetic passkey"}
-  elif args.jsonl:
-    text = "\n\n".join(r["text"] for r in _data.read_jsonl(args.jsonl, ("text",)))
-    data = {"kind": "jsonl", "source": args.jsonl}
-  elif args.text:
-    text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
-  else:
-    text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
+  records, text, data = _eval_data(args, task, options)
   model, tokenizer = _load(args.model)
   check_spec_model(args, model)
 
@@ -395,6 +359,57 @@ def _evaluate(args) -> int:
     print(f"kvjax {task}: {failed} case(s) failed; see results.md", file=sys.stderr)
     return 1
   return 0
+
+
+def _eval_options(args, task: str, quick: bool) -> dict:
+  """The task's own options from the command line, with --quick's smaller defaults."""
+  options = {}
+  if task in ("fidelity", "perplexity"):
+    default_continuation = 64 if task == "fidelity" else 128
+    options["continuation_tokens"] = args.continuation_tokens or (
+        16 if quick else default_continuation
+    )
+    options["windows"] = args.windows or (1 if quick else 2)
+  if task in ("passkey", "retention"):
+    options["depths"] = args.depths or ([0.5] if quick else [0.1, 0.5, 0.9])
+  if task == "passkey":
+    options["trials"] = args.trials or 1
+    if args.jsonl and args.fillers:
+      raise ValueError("--fillers does not apply to --jsonl cases (their own contexts)")
+    if not args.jsonl:
+      options["fillers"] = args.fillers or ["repeat"]
+    if args.text and "text" not in options["fillers"]:
+      raise ValueError("passkey takes --text only as the haystack of --fillers text")
+  if task == "multi_question":
+    options["facts"] = 4 if args.facts is None else args.facts
+    options["trials"] = (1 if quick else 6) if args.trials is None else args.trials
+  if task == "bench":
+    options["decode_steps"] = args.decode_steps or (8 if quick else 32)
+    options["repeats"] = args.repeats or (1 if quick else 3)
+  return options
+
+
+def _eval_data(args, task: str, options: dict) -> tuple[list | None, str | None, dict]:
+  """(question records, text, a record of the data's source) of an evaluation, read from
+  --jsonl / --text or the default text."""
+  from kvjax.eval import _data
+
+  records, text = None, None
+  if task == "passkey" and args.jsonl:
+    records = _data.read_jsonl(args.jsonl, ("context", "question", "answer"))
+    if args.context_tokens:
+      raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
+    data = {"kind": "jsonl", "source": args.jsonl}
+  elif task == "passkey" and "text" not in options["fillers"]:
+    data = {"kind": "synthetic passkey"}
+  elif args.jsonl:
+    text = "\n\n".join(r["text"] for r in _data.read_jsonl(args.jsonl, ("text",)))
+    data = {"kind": "jsonl", "source": args.jsonl}
+  elif args.text:
+    text, data = _data.read_text(args.text), {"kind": "text", "source": args.text}
+  else:
+    text, data = _data.default_text(), {"kind": "text", "source": _data.DEFAULT_TEXT_SOURCE}
+  return records, text, data
 
 
 def _add_eval_options(parser, task: str):

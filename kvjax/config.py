@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 
 import jax.numpy as jnp
+
+from kvjax.pages import pages_for
+from kvjax.sizing import margin, min_budget
 
 _DTYPES = ("float32", "bfloat16", "float16")
 GROUP_REDUCTIONS = ("mean", "sum", "max")
@@ -23,15 +25,6 @@ def cache_dir(*parts: str) -> pathlib.Path | None:
   return private_dir(*parts)
 
 
-def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:
-  """Smallest budget eviction can always reach with the sink and recent tokens protected."""
-  if group_size == 1:
-    return max(1, sink + recent)
-  # Block eviction keeps every page that touches the sink or the recent window, plus the
-  # partially filled tail page.
-  return (math.ceil(sink / page_size) + math.ceil(recent / page_size) + 1) * page_size
-
-
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Static description of a paged KV cache.
@@ -43,7 +36,8 @@ class CacheConfig:
     sink: the first `sink` tokens of every sequence are never evicted.
     recent: the last `recent` tokens of every sequence are never evicted.
     threshold: eviction runs once a sequence holds more than this many tokens;
-      defaults to `budget + page_size`, so eviction is amortised over a page of tokens.
+      defaults to `budget` + one page (`kvjax.sizing.margin`), so eviction is amortised
+      over a page of tokens.
     group_size: eviction granularity: `page_size` drops whole pages (a page-table
       operation), 1 drops single tokens and compacts the survivors.
     group_reduce: how token scores combine into a group's importance: mean, sum or max.
@@ -101,7 +95,7 @@ class CacheConfig:
         )
       if group_size > 1 and self.budget % group_size:
         fail(f"group_size={group_size} must divide budget={self.budget} for block eviction")
-      threshold = self.budget + self.page_size if self.threshold is None else self.threshold
+      threshold = self.budget + margin(self.page_size) if self.threshold is None else self.threshold
       if not isinstance(threshold, int) or isinstance(threshold, bool):
         fail(f"threshold must be an int, got {threshold!r}")
       if not self.budget <= threshold < self.max_tokens:
@@ -127,6 +121,12 @@ class CacheConfig:
     return self.budget is not None
 
   @property
+  def margin(self) -> int | None:
+    """Tokens a sequence may pass its budget by before eviction runs (`threshold - budget`);
+    per-layer budgets keep it."""
+    return None if self.budget is None else self.threshold - self.budget
+
+  @property
   def min_budget(self) -> int:
     """Smallest budget that eviction can always reach with sink and recent protected."""
     return min_budget(self.page_size, self.sink, self.recent, self.group_size)
@@ -140,7 +140,7 @@ class CacheConfig:
     if not self.evicts:
       return self.max_pages
     peak = min(self.threshold + chunk, self.max_tokens)
-    return math.ceil(peak / self.page_size)
+    return pages_for(peak, self.page_size)
 
   def pool_pages(self, num_sequences: int, chunk: int = 1) -> int:
     """Physical pages (null page included) needed by `num_sequences` sequences."""

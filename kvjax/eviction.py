@@ -89,7 +89,7 @@ def evict(
     budget: tokens to keep, broadcastable to [L, B, H] (per-layer or per-head
       budgets); defaults to config.budget.
     threshold: evict sequences longer than this, broadcastable to [L, B, H]; defaults to
-      `budget + (config.threshold - config.budget)`.
+      `budget + config.margin`.
     impl: the group-importance kernel ("auto", "pallas" or "ref").
   """
   one_device(cache, "evict")
@@ -106,7 +106,7 @@ def evict(
       jnp.asarray(cfg.budget if budget is None else budget, jnp.int32), cache.length.shape
   )
   if threshold is None:
-    threshold = budget + (cfg.threshold - cfg.budget)
+    threshold = budget + cfg.margin
   needs = cache.length > threshold  # [L, B, H]
 
   def run(cache):

@@ -111,26 +111,16 @@ def generate(
   spec = CompressionSpec() if spec is None else spec
   shape = ModelShape.of(model)
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
-  longest = int(encoded.lengths.max())
-  if longest > shape.max_context:
-    raise ValueError(
-        f"prompt of {longest} tokens is longer than the model context {shape.max_context}"
-    )
-  if longest + max_new_tokens > shape.max_context:
-    raise ValueError(
-        f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
-        f"context {shape.max_context}"
-    )
+  encoded.longest(shape.max_context, max_new_tokens)
   key = jax.random.key(seed) if key is None else key
   run = _run(
       model,
       tokenizer,
-      prompts,
+      encoded,
       spec,
       shape,
       max_new_tokens,
       sampling,
-      chat,
       key,
       stream,
       progress,
@@ -155,17 +145,14 @@ class Generation:
     self.result = yield from self._run
 
 
-def _run(
-    model, tokenizer, prompts, spec, shape, max_new, sampling, chat, key, stream, progress, mesh
-):
+def _run(model, tokenizer, encoded, spec, shape, max_new, sampling, key, stream, progress, mesh):
   compiled = compile_stats()
   start = time.perf_counter()
   state = prefill(
       model,
-      prompts,
+      encoded,
       spec,
       tokenizer=tokenizer,
-      chat=chat,
       reserve=max_new,
       key=key,
       progress=progress,
@@ -228,6 +215,6 @@ def _run(
           "layer_budgets": None if eviction is None else list(eviction.layer_budget),
           "head_budget": spec.sharing if spec.evicts else None,
           "spec": spec.to_dict(),
-          "cache": dataclasses.asdict(plan.config),
+          "cache": dataclasses.asdict(cache.config),
       },
   )

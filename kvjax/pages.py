@@ -34,6 +34,11 @@ def pages_for(tokens, page_size: int):
   return -(-tokens // page_size)
 
 
+def whole_pages(tokens, page_size: int):
+  """`tokens` rounded up to whole pages: the tokens `pages_for(tokens)` pages hold."""
+  return pages_for(tokens, page_size) * page_size
+
+
 @struct.dataclass
 class PageTable:
   """Which physical pages each sequence owns, and the allocator's state."""

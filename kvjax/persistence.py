@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import _files
+from kvjax._version import __version__
 from kvjax.allocation import HeadAllocation
 from kvjax import pages
 from kvjax.cache import PagedKVCache, Slot
@@ -190,8 +191,6 @@ def _locked(path: pathlib.Path):
 
 def _describe(state: State, model, tokenizer, tokens, info) -> dict:
   """The metadata of a state (everything but the arrays)."""
-  import kvjax
-
   plan, cache = state.plan, state.cache
   spec = plan.spec
   if get_policy(spec.policy.name, scorer=spec.scorer) != spec.policy:
@@ -228,7 +227,7 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
   eviction = plan.eviction
   return {
       "format": FORMAT,
-      "kvjax_version": kvjax.__version__,
+      "kvjax_version": __version__,
       "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "model": {
           "name": getattr(model.config, "name", type(model).__name__),
@@ -238,7 +237,7 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
       "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
       "spec": _spec_dict(spec),
       "plan": {
-          "config": dataclasses.asdict(plan.config),
+          "config": dataclasses.asdict(cache.config),
           "chunk": plan.chunk,
           "eviction": None
           if eviction is None
@@ -527,7 +526,7 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
   if eviction is not None:
     options = {k: v for k, v in eviction.items() if k != "layer_budget"}
     eviction = EvictionPlan(spec.policy, tuple(eviction["layer_budget"]), **options)
-  plan = CachePlan(config, eviction, saved_plan["chunk"], spec)
+  plan = CachePlan(None, eviction, saved_plan["chunk"], spec)  # the cache holds `config`
   slot_specs = tuple(Slot(name, dtype, empty) for name, dtype, empty in saved_cache["slots"])
   if eviction is not None:
     missing = {s.name for s in spec.policy.slots} - {s.name for s in slot_specs}

@@ -5,18 +5,15 @@ when a request needs more room (`fit`), compacted to what a context compressed o
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import pages
+from kvjax import pages, sizing
 from kvjax import sharding as shards
 from kvjax.cache import PagedKVCache, check_status
 from kvjax.policies import evict_once
 from kvjax.seam import ModelShape
-from kvjax.spec import capacity_bucket
 from kvjax.state import State, copy
 
 
@@ -43,27 +40,26 @@ def fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   shard_total = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
   eviction = state.plan.eviction
   if eviction is not None:
-    # Eviction holds a sequence at its budget (x heads when they share it) + one page of
-    # margin + one chunk; a sequence already past that (protected tokens are never
+    # Eviction holds a sequence at its peak (`kvjax.sizing.peak_tokens`; x heads when they
+    # share the layer's budget); a sequence already past it (protected tokens are never
     # evicted) may grow by a margin and a chunk before eviction brings it back.
     heads = cache.num_kv_heads if eviction.per_head else 1
-    margin = ps + state.plan.chunk
-    peak = np.asarray(eviction.layer_budget)[:, None, None] * heads + margin
-    target = np.minimum(length + more, np.maximum(peak, length + margin))
+    budget = np.asarray(eviction.layer_budget)[:, None, None] * heads  # [L, 1, 1]
+    peak = sizing.peak_tokens(budget, ps, state.plan.chunk, floor=length)
+    target = np.minimum(length + more, peak)
     needed = shard_total(np.maximum(pages.pages_for(target, ps) - held, 0))
-    capacity = max(cfg.max_tokens, pages.pages_for(int(target.max()), ps) * ps)
+    capacity = max(cfg.max_tokens, pages.whole_pages(int(target.max()), ps))
     if (needed <= num_free).all() and capacity == cfg.max_tokens:
       return state
     return grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
-  needed = shard_total(pages.pages_for(length + more, ps) - held)
+  longest = int(length.max())
   capacity = cfg.max_tokens
-  if int(length.max()) + more <= capacity and (needed <= num_free).all():
+  needed = shard_total(pages.pages_for(length + more, ps) - held)
+  if longest + more <= capacity and (needed <= num_free).all():
     return state
-  # Grow by at least half of what each sequence can hold, so growth is rare.
-  room = max(more, capacity // 2)
-  top = math.ceil(shape.max_context / ps) * ps
-  if int(length.max()) + more > capacity:
-    capacity = min(capacity_bucket(int(length.max()) + room, ps, shape.max_context), top)
+  room = sizing.growth_room(more, capacity)
+  if longest + more > capacity:
+    capacity = sizing.capacity_bucket(longest + room, ps, shape.max_context)
   needed = shard_total(pages.pages_for(np.minimum(length + room, capacity), ps) - held)
   return grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
 
@@ -106,9 +102,7 @@ def grow(state: State, capacity: int, extra: int) -> State:
       ),
       config=new_cfg,
   )
-  return state.replace(
-      cache=shards.place(grown), plan=dataclasses.replace(state.plan, config=new_cfg)
-  )
+  return state.replace(cache=shards.place(grown))
 
 
 def compress(state: State, reserve: int) -> State:
@@ -132,7 +126,7 @@ def compress(state: State, reserve: int) -> State:
   # The context is compressed once: later tokens are kept (no observation, no eviction), so
   # the policy's state that is not per token is dropped with its memory.
   cache = compact(cache, reserve).replace(extra={})
-  compressed = dataclasses.replace(plan, config=cache.config, eviction=None)
+  compressed = dataclasses.replace(plan, eviction=None)
   peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
 

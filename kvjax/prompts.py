@@ -43,6 +43,19 @@ class EncodedPrompts:
   def lengths(self) -> np.ndarray:
     return np.array([len(x) for x in self.ids], np.int32)
 
+  def longest(self, max_context: int, new_tokens: int = 0) -> int:
+    """The longest row's length; ValueError when it, or it and `new_tokens` to generate,
+    pass the model context."""
+    longest = int(self.lengths.max())
+    if longest > max_context:
+      raise ValueError(f"prompt of {longest} tokens is longer than the model context {max_context}")
+    if longest + new_tokens > max_context:
+      raise ValueError(
+          f"prompt ({longest} tokens) + max_new_tokens ({new_tokens}) exceeds the model "
+          f"context {max_context}"
+      )
+    return longest
+
   def padded(self, width: int):
     """([B, width] ids, protected, segment) right-padded with zeros."""
     out = [np.zeros((len(self.ids), width), dtype) for dtype in (np.int32, bool, np.int32)]
@@ -78,7 +91,10 @@ def encode_prompts(
 ) -> EncodedPrompts:
   """Encodes str / token-id (list or 1-D array) / `Segment`-list prompts. With `chat`, the
   chat template wraps the text and its own tokens (system prompt, role markers) are
-  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only)."""
+  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only).
+  Prompts encoded already (`generate` checks them before `prefill`) are used as they are."""
+  if isinstance(prompts, EncodedPrompts):
+    return prompts
   if (
       isinstance(prompts, (str, bytes))
       or not isinstance(prompts, (Sequence, np.ndarray))

@@ -98,34 +98,9 @@ def query_heads(model) -> int:
   return seen[0]
 
 
-def forward(
-    model,
-    tokens: Int[Array, "B T"],
-    positions: Int[Array, "B T"],
-    cache: PagedKVCache,
-    num_new: Int[Array, " B"],
-    *,
-    policy: Policy | None = None,
-    protected: Bool[Array, "B T"] | None = None,
-    segment: Int[Array, "B T"] | None = None,
-    logits_at: Int[Array, " B"] | None = None,
-    attention_impl: str = "auto",
-) -> tuple[Array, PagedKVCache]:
-  """Runs T tokens per row through `model.run` over the paged cache (pure; call under jit).
-
-  Row b contributes its first `num_new[b]` tokens; the rest are padding that is neither
-  cached nor attended to. `policy` observes each layer's attention (and, if it asks, hidden
-  states and logits); `protected`/`segment` mark the new tokens. Returns the logits ([B, T, V],
-  or [B, V] at `logits_at`) and the cache.
-  """
-  b, t = tokens.shape
-  shape = ModelShape.of(model)
-  if cache.num_layers != shape.n_layers or cache.num_kv_heads != shape.n_kv_heads:
-    raise ValueError(
-        f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
-        f"needs {shape.n_layers} x {shape.n_kv_heads}"
-    )
-  reads = frozenset() if policy is None else policy.reads
+def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_impl: str):
+  """One layer's attention over the paged cache, run per shard: append the new K/V, attend
+  (returning what the policy reads), and let the policy observe."""
   per_head = "head_probs" in reads
   want_lse = "lse" in reads
   want_probs = "probs" in reads or per_head
@@ -165,6 +140,39 @@ def forward(
       )
       cache = policy.observe(cache, stats)
     return cache, out
+
+  return attend_here
+
+
+def forward(
+    model,
+    tokens: Int[Array, "B T"],
+    positions: Int[Array, "B T"],
+    cache: PagedKVCache,
+    num_new: Int[Array, " B"],
+    *,
+    policy: Policy | None = None,
+    protected: Bool[Array, "B T"] | None = None,
+    segment: Int[Array, "B T"] | None = None,
+    logits_at: Int[Array, " B"] | None = None,
+    attention_impl: str = "auto",
+) -> tuple[Array, PagedKVCache]:
+  """Runs T tokens per row through `model.run` over the paged cache (pure; call under jit).
+
+  Row b contributes its first `num_new[b]` tokens; the rest are padding that is neither
+  cached nor attended to. `policy` observes each layer's attention (and, if it asks, hidden
+  states and logits); `protected`/`segment` mark the new tokens. Returns the logits ([B, T, V],
+  or [B, V] at `logits_at`) and the cache.
+  """
+  b, t = tokens.shape
+  shape = ModelShape.of(model)
+  if cache.num_layers != shape.n_layers or cache.num_kv_heads != shape.n_kv_heads:
+    raise ValueError(
+        f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
+        f"needs {shape.n_layers} x {shape.n_kv_heads}"
+    )
+  reads = frozenset() if policy is None else policy.reads
+  attend_here = _layer_attention(model, policy, reads, attention_impl)
 
   # On a sharded cache every cache operation runs per shard, on its rows and kv heads (with
   # their query heads); the model around it runs under GSPMD.

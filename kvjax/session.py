@@ -225,11 +225,7 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
   if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
     raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
-  longest = int(encoded.lengths.max())
-  if longest > shape.max_context:
-    raise ValueError(
-        f"prompt of {longest} tokens is longer than the model context {shape.max_context}"
-    )
+  longest = encoded.longest(shape.max_context)
   reserve = min(reserve, shape.max_context - longest)
   batch = len(encoded.ids)
   most_protected = max(sum(row) for row in encoded.protected)
@@ -267,7 +263,7 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
       done=jax.device_put(np.zeros((batch,), bool)),
       key=jax.random.key(seed) if key is None else key,
       peak_pages=jax.device_put(np.int32(0)),
-      plan=plan,
+      plan=dataclasses.replace(plan, config=None),  # the cache holds the layout
   )
   return laid_out(state), encoded, shape, reserve
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 import re
 
 import jax
@@ -154,7 +155,7 @@ def shard_config(config, mesh: Mesh, *, shares_heads: bool = False):
   if config.num_pages is None:  # sized by `init_cache` from the shard's own sequences
     return config
   split = mesh.shape[DATA] if shares_heads else num_shards(mesh)
-  share = -(-(config.num_pages - 1) // split) + 1
+  share = math.ceil((config.num_pages - 1) / split) + 1  # + its own null page
   return dataclasses.replace(config, num_pages=share)
 
 

@@ -14,7 +14,9 @@ import math
 import os
 
 from kvjax.allocation import HeadAllocation
-from kvjax.config import GROUP_REDUCTIONS, CacheConfig, min_budget
+from kvjax.config import GROUP_REDUCTIONS, CacheConfig
+from kvjax.pages import whole_pages
+from kvjax.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
 from kvjax.policies import (
     BUDGET_SCHEDULES,
     HEAD_BUDGETS,
@@ -384,7 +386,7 @@ class CompressionSpec:
       # the session compacts it once the context is compressed.
       # Room after the context for one reconstruction pass (a chunk and its prompt).
       room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
-      capacity = math.ceil(max(longest + room, budget + ps + 1) / ps) * ps
+      capacity = whole_pages(max(longest + room, budget + margin(ps) + 1), ps)
       cfg = CacheConfig(
           max_tokens=capacity, num_pages=batch * n * h * (capacity // ps) + 1, **common
       )
@@ -395,26 +397,27 @@ class CompressionSpec:
         budget, n, self.budget_schedule, group, min_budget(ps, self.sink, recent, group)
     )
     per_head = self.sharing == "layer"
-    heads = h if per_head else 1
-    margin = ps
     # Per head, one sequence may take its layer's whole share: H x budget.
-    peak = max(int(budgets.max()) * heads, protected) + margin + chunk
-    capacity = math.ceil(peak / ps) * ps
+    peak = peak_tokens(int(budgets.max()) * (h if per_head else 1), ps, chunk, protected)
+    capacity = whole_pages(peak, ps)
     # No sequence holds more than the request's tokens: the pool never exceeds the full
     # cache's for the same batch (short prompts under a large budget), though it holds at
     # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
     # request needs more (`kvjax.pool.fit`).
-    request = math.ceil((longest + reserve) / ps)
     pages_per_layer = [
-        min(
-            h * math.ceil((max(int(b), protected) + margin + chunk) / ps) + (h if per_head else 0),
-            h * max(request, math.ceil(int(b) / ps)),
+        layer_pages(
+            int(b),
+            heads=h,
+            shared=per_head,
+            page_size=ps,
+            chunk=chunk,
+            protected=protected,
+            request=longest + reserve,
         )
         for b in budgets
     ]
     cfg = CacheConfig(
         max_tokens=capacity,
-        threshold=budget + margin,
         num_pages=batch * sum(pages_per_layer) + 1,
         **common,
     )
@@ -431,9 +434,13 @@ class CompressionSpec:
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
   """A spec resolved for one batch: the cache's configuration, the eviction plan (None for
-  the full cache) and the prefill chunk. Static: jitted steps specialise on it."""
+  the full cache) and the prefill chunk. Static: jitted steps specialise on it.
 
-  config: CacheConfig
+  `config` is the layout a new cache is made with; a `State` keeps `None` there, since its
+  cache holds the one copy of the layout (`state.cache.config`), which growth and
+  compaction change."""
+
+  config: CacheConfig | None
   eviction: EvictionPlan | None
   chunk: int
   spec: CompressionSpec
@@ -446,17 +453,6 @@ class CachePlan:
   def compresses_after_prefill(self) -> bool:
     """A query-agnostic policy whose context is still to be scored and compressed."""
     return self.eviction is not None and self.spec.once
-
-
-def capacity_bucket(tokens: int, page_size: int, max_context: int) -> int:
-  """The capacity a full cache gets for `tokens`: a power of two up to 1024 tokens, a
-  multiple of 1024 above, in whole pages, at most the model context (rounded to a page).
-  Capacities shape the compiled steps, so a service sees a bounded set of compilations
-  (about 18 up to 8192 tokens) instead of one per prompt length; attention reads only the
-  live pages, so the padding costs memory, not time."""
-  size = 1 << max(tokens - 1, 0).bit_length() if tokens <= 1024 else -(-tokens // 1024) * 1024
-  top = math.ceil(max_context / page_size) * page_size
-  return min(math.ceil(size / page_size) * page_size, top)
 
 
 def _is_int(x) -> bool:

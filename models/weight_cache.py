@@ -28,7 +28,7 @@ import numpy as np
 
 from . import cache_dir
 from .config import ModelConfig, check_params
-from .registry import ModelSource
+from .source import ModelSource
 
 FORMAT = "kvjax-weights/2"
 

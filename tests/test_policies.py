@@ -503,8 +503,8 @@ def _all_kept(cache):
 @pytest.mark.parametrize("name", _by_model(ANY_MODEL))
 def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
   model, tokenizer = tiny
-  plan, cache, _ = _prefill(model, tokenizer, [PROMPT], name, BUDGET)
-  cfg = plan.config
+  _, cache, _ = _prefill(model, tokenizer, [PROMPT], name, BUDGET)
+  cfg = cache.config
   assert cfg.sink == 4 and cfg.recent == 4
   must_keep = {*range(cfg.sink), *PROTECTED, *range(PROMPT_LEN - cfg.recent, PROMPT_LEN)}
   for seq, kept in _all_kept(cache).items():

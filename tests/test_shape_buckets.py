@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.spec import capacity_bucket
+from kvjax.sizing import capacity_bucket
 from kvjax.testing import ByteTokenizer, tiny_llama
 
 
@@ -51,7 +51,7 @@ def test_the_request_sequence_compiles_one_set_per_bucket():
 @pytest.mark.parametrize("policy", [None, pytest.param("h2o", marks=pytest.mark.slow)])
 def test_greedy_tokens_do_not_depend_on_the_capacity(policy):
   """A longer reserve (a larger bucket) changes shapes, never the answer."""
-  model, tok = tiny_llama(max_context=1024, qk_scale=20.0), ByteTokenizer()
+  model = tiny_llama(max_context=1024, qk_scale=20.0)
   spec = kvjax.CompressionSpec() if policy is None else kvjax.CompressionSpec(policy, budget=48)
   prompt = [list(range(3, 103))]
   short = kvjax.prefill(model, prompt, spec, reserve=8)

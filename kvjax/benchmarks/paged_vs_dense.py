@@ -20,6 +20,7 @@ import numpy as np
 
 import kvjax
 from kvjax.benchmarks import print_table
+from kvjax.pages import whole_pages
 from pallas_kernels.paged_attention import paged_attention_reference
 
 
@@ -90,7 +91,7 @@ def run(sizes, steps=32, repeats=15, batch=1, hq=9, hkv=3, d=64, page_size=16):
   rows = []
   for n in sizes:
     total = steps * (repeats + 1)  # tokens appended over all timed and warm-up loops
-    capacity = -(-(n + total) // page_size) * page_size
+    capacity = whole_pages(n + total, page_size)
     k0 = jnp.asarray(rng.normal(size=(1, batch, n, hkv, d)), jnp.float32)
     v0 = jnp.asarray(rng.normal(size=(1, batch, n, hkv, d)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(batch, 1, hq, d)), jnp.float32)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 
 import kvjax
+from kvjax import sizing
 from kvjax.eval._data import default_text, read_text
+from kvjax.pages import whole_pages
 from kvjax.policies import POLICIES
 
 
@@ -37,8 +39,9 @@ def main(argv=None):
   token_bytes = 2 * c.head_dim * 4
   sequences = c.n_layers * c.n_kv_heads
 
-  def bound(b):  # budget + one page (eviction margin) + one chunk, in whole pages
-    return sequences * -(-(b + page + args.prefill_chunk) // page) * page * token_bytes
+  def bound(b):  # each sequence at its peak under eviction, in whole pages
+    peak = sizing.peak_tokens(b, page, args.prefill_chunk)
+    return sequences * whole_pages(peak, page) * token_bytes
 
   def report(label, variant, options, budget_for_bound):
     kwargs = {} if label == "full" else {"budget": options.pop("budget", budget)}

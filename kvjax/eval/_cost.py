@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvjax.pages import pages_for
 from kvjax.session import compile_stats, decode, fork, prefill
 from kvjax.spec import CompressionSpec
 
@@ -47,23 +48,9 @@ def decode_cost(
   decode_compile_seconds.
   """
   spec = CompressionSpec() if spec is None else spec
-  shape_vocab, shape_context = model.config.vocab_size, model.config.max_context
-  if isinstance(context_ids, (str, bytes)) or not isinstance(context_ids, (Sequence, np.ndarray)):
-    raise ValueError(f"context_ids must be a sequence of token ids, got {type(context_ids)}")
-  ids = [int(t) for t in np.asarray(context_ids).reshape(-1)] if len(context_ids) else []
-  if not ids:
-    raise ValueError("context_ids is empty: decode cost needs at least one context token")
-  bad = [t for t in ids if not 0 <= t < shape_vocab]
-  if bad:
-    raise ValueError(f"context_ids has token ids outside [0, {shape_vocab}): {bad[:5]}")
-  _check_positive_int("decode_steps", decode_steps)
+  ids = _context_ids(model, context_ids, decode_steps)
   _check_positive_int("repeats", repeats)
   n = len(ids)
-  if n + decode_steps + 1 > shape_context:  # + 1: the step-by-step pass warms up on one more
-    raise ValueError(
-        f"context_ids ({n} tokens) + decode_steps ({decode_steps}) + 1 exceeds the model "
-        f"context {shape_context}"
-    )
   compiled = compile_stats()
   start = time.perf_counter()
   state = prefill(model, [ids], spec, reserve=decode_steps, seed=seed)
@@ -76,74 +63,24 @@ def decode_cost(
         f"decode_steps={decode_steps} exceeds the prefill chunk ({plan.chunk} tokens), the room "
         "the cache has for decoding with eviction off; lower decode_steps"
     )
-
-  variants = {"with": True}
-  if plan.eviction is not None:
-    variants["without"] = False
-  decode_compile = 0.0
-
-  def run(name, steps=decode_steps, start=None):
-    """Decodes `steps` tokens from a fork of `start` (the prefilled state by default)."""
-    begin = time.perf_counter()
-    out, result = decode(
-        model, fork(state if start is None else start), steps, evict=variants[name], donate=True
-    )
-    return out, result, time.perf_counter() - begin
-
-  times = {name: [] for name in variants}
-  for round_ in range(repeats + 1):  # round 0 warms up; the order alternates each round
-    for name in list(variants)[:: 1 if round_ % 2 else -1]:
-      final, result, elapsed = run(name)
-      decode_compile += result.stats["compile_seconds"]
-      if result.stats["generated_tokens"][0] != decode_steps:
-        raise RuntimeError(
-            f"decode stopped after {result.stats['generated_tokens'][0]} of {decode_steps} steps"
-        )
-      if round_:
-        times[name].append(result.stats["decode_seconds"])
-      if name == "with":
-        with_state = final
-  ms = {name: 1e3 * statistics.median(t) / decode_steps for name, t in times.items()}
+  timer = _DecodeTimer(model, state, plan.eviction is not None)
+  ms, with_state = timer.per_token(decode_steps, repeats)
   with_ms = ms["with"]
   without_ms = ms.get("without", with_ms)
-
-  # Step the same loop one step at a time to find the steps that evict; then time one
-  # event: the step from the state just before it, with eviction and without, alternating
-  # `repeats` + 2 times (a single event's time is too noisy to judge a 5% share by).
-  events, per_event = 0, None
-  if plan.eviction is not None:
-    current, evicted, first_event = state, [], None
-    for step in range(decode_steps):
-      before = np.asarray(current.cache.length)
-      following, result, _ = run("with", 1, current)
-      decode_compile += result.stats["compile_seconds"]
-      evicted.append(bool((np.asarray(following.cache.length) < before).any()))  # drops > 1
-      if evicted[-1] and first_event is None:
-        first_event = current
-      current = following
-    events = sum(evicted)
-    if first_event is not None:
-      event_s = {"with": [], "without": []}
-      for round_ in range(repeats + 3):  # round 0 compiles the one-step loop without eviction
-        for name in ("with", "without")[:: 1 if round_ % 2 else -1]:
-          _, result, _ = run(name, 1, first_event)
-          decode_compile += result.stats["compile_seconds"]
-          if round_:
-            event_s[name].append(result.stats["decode_seconds"])
-      per_event = 1e3 * (statistics.median(event_s["with"]) - statistics.median(event_s["without"]))
+  events, per_event = timer.one_event(decode_steps, repeats)
 
   # Once running, a sequence passes its threshold every `period` tokens (the margin plus
   # one, in whole groups): the steady-state share spreads one event over that period.
   steady, period = None, None
   if per_event is not None:
-    cfg = plan.config
-    period = -(-(cfg.threshold - cfg.budget + 1) // cfg.group_size) * cfg.group_size
+    cfg = state.cache.config
+    period = pages_for(cfg.margin + 1, cfg.group_size) * cfg.group_size
     cost = max(per_event, 0.0)
     steady = cost / (cost + period * without_ms)
   return {
       "policy": spec.policy.name,
       "context_tokens": n,
-      "budget_tokens": None if plan.eviction is None else plan.config.budget,
+      "budget_tokens": None if plan.eviction is None else state.cache.config.budget,
       "decode_steps": decode_steps,
       "decode_ms_per_token": with_ms,
       "decode_ms_per_token_no_eviction": without_ms,
@@ -157,5 +94,89 @@ def decode_cost(
       "kv_bytes_final": with_state.kv_bytes(),
       "prefill_seconds": prefill_seconds,
       "prefill_compile_seconds": prefill_compile,
-      "decode_compile_seconds": decode_compile,
+      "decode_compile_seconds": timer.compile_seconds,
   }
+
+
+def _context_ids(model, context_ids, decode_steps: int) -> list[int]:
+  """The context as a list of token ids, checked against the model's vocabulary and its
+  context (with `decode_steps` more)."""
+  vocab, context = model.config.vocab_size, model.config.max_context
+  if isinstance(context_ids, (str, bytes)) or not isinstance(context_ids, (Sequence, np.ndarray)):
+    raise ValueError(f"context_ids must be a sequence of token ids, got {type(context_ids)}")
+  ids = [int(t) for t in np.asarray(context_ids).reshape(-1)] if len(context_ids) else []
+  if not ids:
+    raise ValueError("context_ids is empty: decode cost needs at least one context token")
+  bad = [t for t in ids if not 0 <= t < vocab]
+  if bad:
+    raise ValueError(f"context_ids has token ids outside [0, {vocab}): {bad[:5]}")
+  _check_positive_int("decode_steps", decode_steps)
+  if len(ids) + decode_steps + 1 > context:  # + 1: the step-by-step pass warms up on one more
+    raise ValueError(
+        f"context_ids ({len(ids)} tokens) + decode_steps ({decode_steps}) + 1 exceeds the "
+        f"model context {context}"
+    )
+  return ids
+
+
+class _DecodeTimer:
+  """Times `kvjax.decode` from forks of one prefilled state, with eviction and (when the
+  cache evicts) without, alternating so that drift hits both alike."""
+
+  def __init__(self, model, state, evicts: bool):
+    self.model, self.state = model, state
+    self.variants = {"with": True, **({"without": False} if evicts else {})}
+    self.compile_seconds = 0.0
+
+  def run(self, name, steps, start=None):
+    """Decodes `steps` tokens from a fork of `start` (the prefilled state by default)."""
+    start = self.state if start is None else start
+    out, result = decode(self.model, fork(start), steps, evict=self.variants[name], donate=True)
+    self.compile_seconds += result.stats["compile_seconds"]
+    return out, result
+
+  def per_token(self, decode_steps: int, repeats: int) -> tuple[dict, object]:
+    """Median ms per token of each variant over `repeats` runs after a warm-up, and the
+    state the evicting run ends in."""
+    times = {name: [] for name in self.variants}
+    for round_ in range(repeats + 1):  # round 0 warms up; the order alternates each round
+      for name in list(self.variants)[:: 1 if round_ % 2 else -1]:
+        final, result = self.run(name, decode_steps)
+        if result.stats["generated_tokens"][0] != decode_steps:
+          raise RuntimeError(
+              f"decode stopped after {result.stats['generated_tokens'][0]} of {decode_steps} "
+              "steps"
+          )
+        if round_:
+          times[name].append(result.stats["decode_seconds"])
+        if name == "with":
+          with_state = final
+    return {name: 1e3 * statistics.median(t) / decode_steps for name, t in times.items()}, (
+        with_state
+    )
+
+  def one_event(self, decode_steps: int, repeats: int) -> tuple[int, float | None]:
+    """(eviction events in `decode_steps` steps, ms of one event's step or None). Steps the
+    loop one step at a time to find the steps that evict; then times the first event's
+    step from the state just before it, with eviction and without, alternating `repeats` +
+    2 times (a single event's time is too noisy to judge a 5% share by)."""
+    if "without" not in self.variants:
+      return 0, None
+    current, evicted, first_event = self.state, [], None
+    for _ in range(decode_steps):
+      following, _ = self.run("with", 1, current)
+      shorter = np.asarray(following.cache.length) < np.asarray(current.cache.length)
+      evicted.append(bool(shorter.any()))  # an event drops more than the token it adds
+      if evicted[-1] and first_event is None:
+        first_event = current
+      current = following
+    if first_event is None:
+      return sum(evicted), None
+    event_s = {"with": [], "without": []}
+    for round_ in range(repeats + 3):  # round 0 compiles the one-step loop without eviction
+      for name in ("with", "without")[:: 1 if round_ % 2 else -1]:
+        _, result = self.run(name, 1, first_event)
+        if round_:
+          event_s[name].append(result.stats["decode_seconds"])
+    per_event = statistics.median(event_s["with"]) - statistics.median(event_s["without"])
+    return sum(evicted), 1e3 * per_event

@@ -155,21 +155,9 @@ def run(
   """
   from tqdm.auto import tqdm
 
-  if task not in TASKS:
-    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
   options = dict(options or {})
-  check_options(task, options)
   policies = expand_policies(policies)
-  if any(p != "full" for p in policies) and not budgets:
-    raise ValueError("policies other than 'full' need at least one --budget")
-  if not context_tokens or any(not isinstance(n, int) or n < 1 for n in context_tokens):
-    raise ValueError(f"context_tokens must be positive ints, got {context_tokens!r}")
-  limit = model.config.max_context
-  for n in context_tokens:
-    if n > limit:
-      raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
-  if threshold is not None and "auto" not in budgets:
-    raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
+  _check_request(task, options, policies, budgets, context_tokens, threshold, model)
   specs, kept = configuration_specs(
       spec, policies, budgets, context_tokens, threshold=threshold, scorer=scorer
   )
@@ -215,23 +203,44 @@ def run(
       )
     except Exception as err:  # noqa: BLE001 - a crashed configuration is a result too
       metrics = {"cases": 1, "failed": 1, "errors": [f"{type(err).__name__}: {err}"]}
-    results["rows"].append(
-        {
-            "policy": policy,
-            "budget": budget,
-            "budget_tokens": kept[length, policy, budget],
-            "context_tokens": length,
-            "cases": metrics["cases"],
-            "failed": metrics["failed"],
-            "errors": metrics["errors"],
-            "seconds": round(time.perf_counter() - start, 3),
-            "metrics": {m: _number(metrics.get(m)) for m in _report.METRICS[task]},
-            **({"answers": metrics["answers"]} if "answers" in metrics else {}),
-        }
-    )
+    seconds = time.perf_counter() - start
+    row = {"policy": policy, "budget": budget, "budget_tokens": kept[length, policy, budget]}
+    results["rows"].append(_row(task, row, length, metrics, seconds))
     if on_row is not None:
       on_row(results)
   return results
+
+
+def _check_request(task, options, policies, budgets, context_tokens, threshold, model) -> None:
+  """Raises ValueError for a sweep that cannot run, before any work."""
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+  check_options(task, options)
+  if any(p != "full" for p in policies) and not budgets:
+    raise ValueError("policies other than 'full' need at least one --budget")
+  if not context_tokens or any(not isinstance(n, int) or n < 1 for n in context_tokens):
+    raise ValueError(f"context_tokens must be positive ints, got {context_tokens!r}")
+  limit = model.config.max_context
+  for n in context_tokens:
+    if n > limit:
+      raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
+  if threshold is not None and "auto" not in budgets:
+    raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
+
+
+def _row(task: str, row: dict, length: int, metrics: dict, seconds: float) -> dict:
+  """One configuration's result row: its policy and budget (`row`), request length, cases
+  run and failed, seconds and the task's metrics."""
+  return {
+      **row,
+      "context_tokens": length,
+      "cases": metrics["cases"],
+      "failed": metrics["failed"],
+      "errors": metrics["errors"],
+      "seconds": round(seconds, 3),
+      "metrics": {m: _number(metrics.get(m)) for m in _report.METRICS[task]},
+      **({"answers": metrics["answers"]} if "answers" in metrics else {}),
+  }
 
 
 def _check_data(task, tokenizer, length, ids, cases, options):

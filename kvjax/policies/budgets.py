@@ -146,7 +146,7 @@ class EvictionPlan:
     if not cfg.evicts or not self.evict:
       return cache
     budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
-    margin = cfg.threshold - cfg.budget
+    margin = cfg.margin
     if self.per_head:
       length = all_heads(cache.length, axis=2)  # a sharded cache: every kv head of the row
       needs = length.sum(-1) > length.shape[2] * (budget[:, None] + margin)  # [L, B]

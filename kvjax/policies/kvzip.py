@@ -53,7 +53,7 @@ class KVzip(Policy):
     )
     # One step per pass (the pass length rounded up to a page): prefill-sized steps would
     # pad a 512 + prompt pass to three 256-token chunks, a third of them padding.
-    config = state.plan.config
+    config = state.cache.config
     step = min(
         pages_for(chunk + len(prompt), config.page_size) * config.page_size,
         config.max_tokens - longest,

@@ -254,46 +254,13 @@ def tune(
   started = time.perf_counter()
   say = progress or (lambda _: None)
   target = parse_target(target) if isinstance(target, str) else target
-  if not isinstance(target, Target):
-    raise TypeError(f"target must be a str or kvjax.tuning.Target, got {type(target).__name__}")
-  if (text is None) == (cases is None):
-    raise ValueError("give a text sample (text=) or question cases (cases=), not both or neither")
-  for p in policies:
-    CompressionSpec(policy=p, budget=0.5)  # unknown names fail here
-  once = [p for p in policies if CompressionSpec(policy=p, budget=0.5).once]
-  running = [p for p in policies if p not in once]
-  if not once:
-    raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
-  ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  once, running = _check_request(model, text, cases, target, policies)
   if cases is not None:
     cases = list(cases)[:max_items]  # read once: an iterator is not consumed twice
-  if target.metric == "accuracy":
-    if text is not None:
-      raise ValueError(
-          "target accuracy needs question cases (cases=); a text sample takes kl= or memory="
-      )
-    n_tune = len(split([None] * len(cases), held_out)[0])
-    need = items_for_accuracy(target.value)
-    if n_tune < need:
-      raise ValueError(
-          f"target {target} needs at least {need} tuning items (a perfect score on n items "
-          f"bounds accuracy at n/(n+1)); {len(cases)} cases hold out "
-          f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} cases "
-          "(max_items, --items)"
-      )
-  if text is not None:
-    items = text_items(
-        tokenizer,
-        text,
-        context_tokens=context_tokens,
-        continuation_tokens=continuation_tokens,
-        max_items=max_items,
-    )
-  else:
-    items = question_items(model, tokenizer, cases, progress=say)
-    full_accuracy = np.mean([it.correct(it.full_answer) for it in items])
-    if target.metric == "accuracy":
-      say(f"full cache: accuracy {full_accuracy:.2f} on {len(items)} cases")
+    _check_accuracy_sample(target, len(cases), held_out)
+  items = _items(
+      model, tokenizer, text, cases, target, say, context_tokens, continuation_tokens, max_items
+  )
   tune_items, held_items = split(items, held_out)
   items = tune_items + held_items
   tune_idx = list(range(len(tune_items)))
@@ -301,39 +268,155 @@ def tune(
       f"{len(items)} items ({len(tune_items)} to tune on, {len(held_items)} held out); "
       f"target {target}"
   )
-  cal = _search.calibrate(model, tokenizer, items, once, progress=say)
+  search = _Search(model, tokenizer, items, target, say, once)
   timing = {"calibrate_s": round(time.perf_counter() - started, 1)}
-  full_ok = np.asarray([it.correct(it.full_answer) if it.question else True for it in items])
+  # 1. Every policy with its defaults: the best fixed setting.
+  fixed, best_once = search.fixed_settings(once, running, tune_idx)
+  baseline = _best(fixed.values(), target)
+  timing["fixed_s"] = round(time.perf_counter() - started - timing["calibrate_s"], 1)
 
-  def measure(spec, index, learned=False, judge=None) -> Point:
+  # 2. A learned allocation for the best compress-once policy, at its budget.
+  learn_started = time.perf_counter()
+  start_from = (best_once or _closest(search.tried, target)).spec
+  policy = start_from.policy.name
+  learned, judge = search.learned_setting(policy, start_from.budget, tune_idx, steps)
+  plain = fixed.get(policy)
+  if learned is not None and (plain is None or _better(learned, plain, target)):
+    learned = search.at_best_page_size(learned, page_sizes, tune_idx, judge)
+  else:
+    learned = None
+  timing["learn_s"] = round(time.perf_counter() - learn_started, 1)
+  chosen, why = _choose(learned, plain, baseline, policy, target)
+  reachable = chosen is not None
+  if not reachable:
+    chosen = _closest(search.tried, target)
+    why = (
+        f"no setting tried meets {target} (the best: {chosen.spec.policy.name} at budget "
+        f"{chosen.spec.budget}, KL {chosen.measured.kl:.4f}); the target is not reachable "
+        "with these policies: the closest setting is written, marked unreachable"
+    )
+  say(why)
+
+  # 3. The held-out check, with the real pipeline.
+  check_started = time.perf_counter()
+  held = search.held_out_check(chosen.spec, baseline, list(range(len(tune_items), len(items))))
+  timing["held_out_s"] = round(time.perf_counter() - check_started, 1)
+  timing["total_s"] = round(time.perf_counter() - started, 1)
+  return TuneResult(
+      spec=chosen.spec,
+      target=target,
+      reachable=reachable,
+      why=why,
+      chosen=chosen,
+      baseline=baseline,
+      front=_pareto(search.tried),
+      points=search.tried,
+      held_out=held,
+      sample={
+          "items": len(items),
+          "tune_items": len(tune_items),
+          "held_out_items": len(held_items),
+          "kind": "text" if text is not None else "questions",
+          "context_tokens": [len(it.ids) for it in items],
+          "sample_tokens": len(tokenizer.encode(text)) if isinstance(text, str) else None,
+      },
+      timing=timing,
+      model=str(getattr(model.config, "name", type(model).__name__)),
+      fingerprint=model_fingerprint(model),
+  )
+
+
+def _items(
+    model, tokenizer, text, cases, target, say, context_tokens, continuation_tokens, max_items
+):
+  """The workload's items: windows of the text sample, or the question cases answered by
+  the full cache."""
+  if text is not None:
+    return text_items(
+        tokenizer,
+        text,
+        context_tokens=context_tokens,
+        continuation_tokens=continuation_tokens,
+        max_items=max_items,
+    )
+  items = question_items(model, tokenizer, cases, progress=say)
+  if target.metric == "accuracy":
+    full_accuracy = np.mean([it.correct(it.full_answer) for it in items])
+    say(f"full cache: accuracy {full_accuracy:.2f} on {len(items)} cases")
+  return items
+
+
+def _check_request(model, text, cases, target, policies) -> tuple[list[str], list[str]]:
+  """(compress-once, running) policy names; errors for a request that cannot run, before
+  any work."""
+  if not isinstance(target, Target):
+    raise TypeError(f"target must be a str or kvjax.tuning.Target, got {type(target).__name__}")
+  if (text is None) == (cases is None):
+    raise ValueError("give a text sample (text=) or question cases (cases=), not both or neither")
+  if target.metric == "accuracy" and text is not None:
+    raise ValueError(
+        "target accuracy needs question cases (cases=); a text sample takes kl= or memory="
+    )
+  for p in policies:
+    CompressionSpec(policy=p, budget=0.5)  # unknown names fail here
+  once = [p for p in policies if CompressionSpec(policy=p, budget=0.5).once]
+  if not once:
+    raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
+  ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  return once, [p for p in policies if p not in once]
+
+
+def _check_accuracy_sample(target: Target, num_cases: int, held_out: float) -> None:
+  """An accuracy target needs enough tuning items to be told apart from chance."""
+  if target.metric != "accuracy":
+    return
+  n_tune = len(split([None] * num_cases, held_out)[0])
+  need = items_for_accuracy(target.value)
+  if n_tune < need:
+    raise ValueError(
+        f"target {target} needs at least {need} tuning items (a perfect score on n items "
+        f"bounds accuracy at n/(n+1)); {num_cases} cases hold out "
+        f"{held_out:g} and leave {n_tune}: give about {int(np.ceil(need / (1 - held_out))) + 1} "
+        "cases (max_items, --items)"
+    )
+
+
+class _Search:
+  """The search's measurements on one calibrated workload: every point tried is kept."""
+
+  def __init__(self, model, tokenizer, items, target: Target, say, once: list[str]):
+    self.model, self.tokenizer, self.target, self.say = model, tokenizer, target, say
+    self.cal = _search.calibrate(model, tokenizer, items, once, progress=say)
+    self.full_ok = np.asarray([it.correct(it.full_answer) if it.question else True for it in items])
+    self.lengths = sorted({it.budget_length for it in items})
+    self.grid = _search.fractions()
+    self.tried: list[Point] = []
+
+  def measure(self, spec, index, learned=False, judge=None) -> Point:
     if spec.once:
-      m = _search.evaluate_once(model, cal, spec, index, judge)
+      m = _search.evaluate_once(self.model, self.cal, spec, index, judge)
     else:
-      m = _search.evaluate_running(model, cal, spec, index, tokenizer)
-    agree = np.asarray(m.agree_items) & full_ok[np.asarray(index)]
-    accuracy = float(agree.mean()) if cal.items[0].question else None
+      m = _search.evaluate_running(self.model, self.cal, spec, index, self.tokenizer)
+    agree = np.asarray(m.agree_items) & self.full_ok[np.asarray(index)]
+    accuracy = float(agree.mean()) if self.cal.items[0].question else None
     point = Point(spec, m, accuracy, learned, len(index))
-    tried.append(point)
-    say(
+    self.tried.append(point)
+    self.say(
         f"  {spec.policy.name} budget {spec.budget} {'learned' if learned else spec.sharing}: "
         f"KL {m.kl:.4f}, {m.kv_bytes / 2**20:.2f} MiB"
         + ("" if accuracy is None else f", accuracy {accuracy:.2f}")
     )
     return point
 
-  tried: list[Point] = []
-  grid = _search.fractions()
-  lengths = sorted({it.budget_length for it in items})
-
-  def smallest_meeting(make_spec, index, learned=False, judge=None) -> Point | None:
+  def smallest_meeting(self, make_spec, index, learned=False, judge=None) -> Point | None:
     """The least-memory budget of the grid (refined by bisection) that meets the target;
     for a memory target the largest budget within it."""
-    best, below = None, None
-    for rho in grid:
-      spec = _spec_or_none(make_spec, rho, lengths)
+    target, best, below = self.target, None, None
+    for rho in self.grid:
+      spec = _spec_or_none(make_spec, rho, self.lengths)
       if spec is None:
         continue
-      point = measure(spec, index, learned, judge)
+      point = self.measure(spec, index, learned, judge)
       ok = target.meets(point)
       if target.metric == "memory":
         if not ok:
@@ -348,143 +431,122 @@ def tune(
       lo, hi = below, best.spec.budget
       for _ in range(3):
         mid = round((lo + hi) / 2, 4)
-        spec = _spec_or_none(make_spec, mid, lengths)
+        spec = _spec_or_none(make_spec, mid, self.lengths)
         if spec is None:
           break
-        point = measure(spec, index, learned, judge)
+        point = self.measure(spec, index, learned, judge)
         if target.meets(point):
           best, hi = point, mid
         else:
           lo = mid
     return best
 
-  # 1. Every policy with its defaults: the best fixed setting.
-  fixed = {}
-  for p in once:
-    say(f"{p}: budgets {grid[0]}..{grid[-1]}")
-    fixed[p] = smallest_meeting(lambda rho, p=p: CompressionSpec(policy=p, budget=rho), tune_idx)
-  best_once = _best(fixed.values(), target)
-  running_idx = tune_idx[:8]  # running policies prefill each item: a subset bounds the time
-  for p in running:  # only where it could beat the best so far: at or below its budget
-    if best_once is None:
-      break
-    say(f"{p}: at budget {best_once.spec.budget} (runs each of {len(running_idx)} items)")
-    spec = CompressionSpec(policy=p, budget=best_once.spec.budget)
-    point = measure(spec, running_idx)
-    fixed[p] = point if target.meets(point) else None
-  baseline = _best(fixed.values(), target)
-  timing["fixed_s"] = round(time.perf_counter() - started - timing["calibrate_s"], 1)
+  def fixed_settings(self, once, running, tune_idx) -> tuple[dict, Point | None]:
+    """Per policy, the least-memory default setting meeting the target (None: none does),
+    and the best compress-once one."""
+    fixed = {}
+    for p in once:
+      self.say(f"{p}: budgets {self.grid[0]}..{self.grid[-1]}")
+      make = lambda rho, p=p: CompressionSpec(policy=p, budget=rho)  # noqa: E731
+      fixed[p] = self.smallest_meeting(make, tune_idx)
+    best_once = _best(fixed.values(), self.target)
+    running_idx = tune_idx[:8]  # running policies prefill each item: a subset bounds the time
+    for p in running:  # only where it could beat the best so far: at or below its budget
+      if best_once is None:
+        break
+      self.say(f"{p}: at budget {best_once.spec.budget} (runs each of {len(running_idx)} items)")
+      point = self.measure(CompressionSpec(policy=p, budget=best_once.spec.budget), running_idx)
+      fixed[p] = point if self.target.meets(point) else None
+    return fixed, best_once
 
-  # 2. A learned allocation for the best compress-once policy, at its budget, cross-fitted:
-  # one allocation per half of the tuning items, each judging the other half, so every
-  # tuning item is judged by an allocation that never saw it; the spec gets their mean.
-  chosen = baseline
-  policy = (best_once or _closest(tried, target)).spec.policy.name
-  at = (best_once or _closest(tried, target)).spec.budget
-  plain = fixed.get(policy)
-  learn_started = time.perf_counter()
-  halves = (tune_idx[0::2], tune_idx[1::2]) if len(tune_idx) > 1 else (tune_idx, tune_idx)
-  per_half = []
-  for k, half in enumerate(halves):
-    say(
-        f"learning a head allocation for {policy} at budget {at}, half {k + 1} of 2 "
-        f"({len(half)} items, {steps} optax steps)"
+  def learned_setting(self, policy, at, tune_idx, steps) -> tuple[Point | None, dict]:
+    """`policy` with a head allocation learned at budget `at`, cross-fitted: one allocation
+    per half of the tuning items, each judging the other half, so every tuning item is
+    judged by an allocation that never saw it; the spec gets their mean. Returns the
+    least-memory budget meeting the target (None: none does) and the judge of each item."""
+    halves = (tune_idx[0::2], tune_idx[1::2]) if len(tune_idx) > 1 else (tune_idx, tune_idx)
+    per_half = []
+    for k, half in enumerate(halves):
+      self.say(
+          f"learning a head allocation for {policy} at budget {at}, half {k + 1} of 2 "
+          f"({len(half)} items, {steps} optax steps)"
+      )
+      per_half.append(
+          _search.learn_allocation(
+              self.model,
+              self.cal,
+              CompressionSpec(policy=policy, budget=at),
+              index=half,
+              steps=steps,
+              progress=self.say,
+          )
+      )
+    allocation = _search.mean_allocation(per_half)
+    judge = {i: per_half[1 - k] for k, half in enumerate(halves) for i in half}
+    if len(tune_idx) == 1:
+      judge = {tune_idx[0]: per_half[0]}
+    learned = self.smallest_meeting(
+        lambda rho: CompressionSpec(policy=policy, budget=rho, allocation=allocation),
+        tune_idx,
+        learned=True,
+        judge=judge,
     )
-    per_half.append(
-        _search.learn_allocation(
-            model,
-            cal,
-            CompressionSpec(policy=policy, budget=at),
-            index=half,
-            steps=steps,
-            progress=say,
-        )
+    return learned, judge
+
+  def at_best_page_size(self, point, page_sizes, index, judge) -> Point:
+    """The chosen compress-once setting at the page size that holds the least (pages round
+    each head's kept tokens up; the kept tokens, hence quality, do not change)."""
+    best = point
+    for size in page_sizes:
+      if size == point.spec.page_size:
+        continue
+      spec = _spec_or_none(
+          lambda _, size=size: point.spec.replace(page_size=size), None, self.lengths
+      )
+      if spec is None:
+        continue
+      candidate = self.measure(spec, index, point.learned, judge)
+      if self.target.meets(candidate) and _better(candidate, best, self.target):
+        best = candidate
+    return best
+
+  def held_out_check(self, spec, baseline: Point | None, held_idx) -> dict:
+    """The chosen spec (and the best fixed one, when another) on the held-out items, through
+    the real pipeline."""
+    references = {}  # the full cache's logits per held-out item, computed once
+    check = lambda s: _search.held_out_check(  # noqa: E731
+        self.model, self.tokenizer, self.cal, s, held_idx, references
     )
-  allocation = _search.mean_allocation(per_half)
-  judge = {i: per_half[1 - k] for k, half in enumerate(halves) for i in half}
-  if len(tune_idx) == 1:
-    judge = {tune_idx[0]: per_half[0]}
-  timing["learn_s"] = round(time.perf_counter() - learn_started, 1)
-  learned = smallest_meeting(
-      lambda rho: CompressionSpec(policy=policy, budget=rho, allocation=allocation),
-      tune_idx,
-      learned=True,
-      judge=judge,
-  )
-  if learned is not None and (plain is None or _better(learned, plain, target)):
-    learned = _page_size(learned, page_sizes, lengths, tune_idx, judge, measure, target)
-    chosen_spec = learned.spec
-    chosen = learned
-    why = (
+    held = {"chosen": check(spec)}
+    if baseline is not None and baseline.spec != spec:
+      held["baseline"] = check(baseline.spec)
+    for name, result in held.items():
+      result["meets_target"] = _held_meets(self.target, result)
+      self.say(f"held out ({len(held_idx)} items), {name}: {result}")
+    return held
+
+
+def _choose(learned, plain, baseline, policy, target) -> tuple[Point | None, str]:
+  """The learned setting (given where it beats `policy`'s default ranking, `plain`), else
+  the best fixed setting; with why, in words. (None, "") when neither meets the target."""
+  if learned is not None:
+    return learned, (
         f"{policy} with the learned head allocation meets {target} on tuning items (each judged "
-        f"by an allocation learned without it) at budget {learned.spec.budget} ({learned.measured.kv_bytes / 2**20:.2f} "
-        f"MiB), where {policy}'s default ranking needs "
+        f"by an allocation learned without it) at budget {learned.spec.budget} "
+        f"({learned.measured.kv_bytes / 2**20:.2f} MiB), where {policy}'s default ranking needs "
         + (
             "more than any budget tried"
             if plain is None
             else f"budget {plain.spec.budget} ({plain.measured.kv_bytes / 2**20:.2f} MiB)"
         )
     )
-  elif baseline is not None:
-    chosen_spec = baseline.spec
-    why = (
+  if baseline is not None:
+    return baseline, (
         f"the learned allocation did not beat {policy}'s default ranking on held-in items; "
         f"{baseline.spec.policy.name} at budget {baseline.spec.budget} is the least memory "
         f"meeting {target}"
     )
-  else:
-    chosen_spec, chosen = None, None
-    why = ""
-  reachable = chosen is not None
-  if not reachable:
-    chosen = _closest(tried, target)
-    chosen_spec = chosen.spec
-    why = (
-        f"no setting tried meets {target} (the best: {chosen.spec.policy.name} at budget "
-        f"{chosen.spec.budget}, KL {chosen.measured.kl:.4f}); the target is not reachable "
-        "with these policies: the closest setting is written, marked unreachable"
-    )
-  say(why)
-
-  # 3. The held-out check, with the real pipeline.
-  held_idx = list(range(len(tune_items), len(items)))
-  check_started = time.perf_counter()
-  references = {}  # the full cache's logits per held-out item, computed once
-  held = {
-      "chosen": _search.held_out_check(model, tokenizer, cal, chosen_spec, held_idx, references)
-  }
-  if baseline is not None and baseline.spec != chosen_spec:
-    held["baseline"] = _search.held_out_check(
-        model, tokenizer, cal, baseline.spec, held_idx, references
-    )
-  for name, result in held.items():
-    result["meets_target"] = _held_meets(target, result)
-    say(f"held out ({len(held_idx)} items), {name}: {result}")
-  timing["held_out_s"] = round(time.perf_counter() - check_started, 1)
-  timing["total_s"] = round(time.perf_counter() - started, 1)
-  sample = {
-      "items": len(items),
-      "tune_items": len(tune_items),
-      "held_out_items": len(held_items),
-      "kind": "text" if text is not None else "questions",
-      "context_tokens": [len(it.ids) for it in items],
-      "sample_tokens": len(tokenizer.encode(text)) if isinstance(text, str) else None,
-  }
-  return TuneResult(
-      spec=chosen_spec,
-      target=target,
-      reachable=reachable,
-      why=why,
-      chosen=chosen,
-      baseline=baseline,
-      front=_pareto(tried),
-      points=tried,
-      held_out=held,
-      sample=sample,
-      timing=timing,
-      model=str(getattr(model.config, "name", type(model).__name__)),
-      fingerprint=model_fingerprint(model),
-  )
+  return None, ""
 
 
 def _spec_or_none(make_spec, rho, lengths):
@@ -538,22 +600,6 @@ def _pareto(points: Sequence[Point]) -> list[Point]:
     ):
       front.append(p)
   return sorted(front, key=lambda p: p.measured.kv_bytes)
-
-
-def _page_size(point, page_sizes, lengths, index, judge, measure, target) -> Point:
-  """The chosen compress-once setting at the page size that holds the least (pages round
-  each head's kept tokens up; the kept tokens, hence quality, do not change)."""
-  best = point
-  for size in page_sizes:
-    if size == point.spec.page_size:
-      continue
-    spec = _spec_or_none(lambda _, size=size: point.spec.replace(page_size=size), None, lengths)
-    if spec is None:
-      continue
-    candidate = measure(spec, index, point.learned, judge)
-    if target.meets(candidate) and _better(candidate, best, target):
-      best = candidate
-  return best
 
 
 def _held_meets(target: Target, result: dict) -> bool:

@@ -14,8 +14,10 @@ from flax import nnx
 
 from kvjax.allocation import HeadAllocation, transform
 from kvjax.fingerprint import model_fingerprint
+from kvjax.pages import pages_for
 from kvjax.seam import ModelShape
 from kvjax.session import prefill, scored_context
+from kvjax.sizing import held_pages_bound
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _relax
 from kvjax.tuning._workload import Item
@@ -211,7 +213,7 @@ def _bytes_bound(cal: Calibration, spec: CompressionSpec, index) -> int:
 
 
 def _measured(cal, spec, index, kls, agrees, counts) -> Measured:
-  held = (-(-counts // spec.page_size)).sum((0, 2)) * _page_bytes(cal, spec)  # [items]
+  held = pages_for(counts, spec.page_size).sum((0, 2)) * _page_bytes(cal, spec)  # [items]
   lengths = cal.lengths[np.asarray(index)]
   kept = counts.sum((0, 2)) / (lengths * cal.shape.n_layers * cal.shape.n_kv_heads)
   return Measured(
@@ -228,17 +230,11 @@ def _measured(cal, spec, index, kls, agrees, counts) -> Measured:
 
 
 def _page_bound(spec: CompressionSpec, length: int, sequences: int) -> int:
-  """Most pages a request of `length` tokens holds once its context is read: a context
-  compressed once keeps budget x sequences tokens in all, each sequence rounding up by
-  less than a page; a running policy lets each sequence pass its budget by a page before
-  it evicts."""
-  ps = spec.page_size
-  if not spec.evicts:
-    return sequences * -(-length // ps)
-  budget = spec.budget_tokens(length)
-  if spec.once:
-    return (budget * sequences + sequences * (ps - 1)) // ps
-  return sequences * -(-(budget + ps) // ps)
+  """Most pages a request of `length` tokens holds once its context is read."""
+  budget = spec.budget_tokens(length) if spec.evicts else None
+  return held_pages_bound(
+      length, budget, sequences=sequences, page_size=spec.page_size, once=spec.once
+  )
 
 
 def evaluate_running(

@@ -1,0 +1,85 @@
+"""How many tokens and pages a cache is sized for: the one home of the capacity buckets, the
+eviction margin, the peak a sequence reaches under eviction and the pool a layer needs.
+`CompressionSpec.plan` sizes a new cache with it, `kvjax.pool.fit` grows one with it, and
+`CacheConfig` takes its default threshold from it, so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.pages import pages_for, whole_pages
+
+
+def capacity_bucket(tokens: int, page_size: int, max_context: int) -> int:
+  """The capacity a full cache gets for `tokens`: a power of two up to 1024 tokens, a
+  multiple of 1024 above, in whole pages, at most the model context (rounded to a page).
+  Capacities shape the compiled steps, so a service sees a bounded set of compilations
+  (about 18 up to 8192 tokens) instead of one per prompt length; attention reads only the
+  live pages, so the padding costs memory, not time."""
+  size = 1 << max(tokens - 1, 0).bit_length() if tokens <= 1024 else whole_pages(tokens, 1024)
+  return min(whole_pages(size, page_size), whole_pages(max_context, page_size))
+
+
+def growth_room(more: int, capacity: int) -> int:
+  """Tokens per sequence a full cache makes room for when it grows to hold `more`: at least
+  half of what it holds now, so growth (new shapes, compiled once) is rare."""
+  return max(more, capacity // 2)
+
+
+def margin(page_size: int) -> int:
+  """Tokens a sequence may pass its budget by before eviction runs: one page, so eviction
+  is amortised over a page of tokens."""
+  return page_size
+
+
+def peak_tokens(budget, page_size: int, chunk: int, floor=0):
+  """Tokens a sequence holds at its peak under eviction: its budget (or `floor`, tokens
+  eviction cannot remove: protected tokens, or what it holds already), the margin, and one
+  chunk appended before eviction runs. Ints or NumPy arrays."""
+  if isinstance(budget, int) and isinstance(floor, int):
+    return max(budget, floor) + margin(page_size) + chunk
+  return np.maximum(budget, floor) + margin(page_size) + chunk
+
+
+def layer_pages(
+    budget: int,
+    *,
+    heads: int,
+    shared: bool,
+    page_size: int,
+    chunk: int,
+    protected: int,
+    request: int,
+) -> int:
+  """Pages one row's layer needs at its peak: each of its `heads` sequences at its own peak
+  (`shared`: the heads share the layer's `heads x budget` tokens, so the pages are counted
+  over the layer, plus a partly filled page per head), and never more than the request
+  (`request` tokens per sequence, at least the budget): the pool never exceeds the full
+  cache's for the same batch."""
+  peak = pages_for(peak_tokens(budget, page_size, chunk, protected), page_size)
+  evicting = heads * peak + (heads if shared else 0)
+  return min(evicting, heads * pages_for(max(request, budget), page_size))
+
+
+def held_pages_bound(
+    length: int, budget: int | None, *, sequences: int, page_size: int, once: bool
+) -> int:
+  """Most pages `sequences` sequences hold once a context of `length` tokens is read: all
+  of it without a budget; a context compressed once keeps `budget x sequences` tokens in
+  all, each sequence rounding up by less than a page; a running policy lets each sequence
+  pass its budget by the margin before it evicts."""
+  if budget is None:
+    return sequences * pages_for(length, page_size)
+  if once:
+    return (budget * sequences + sequences * (page_size - 1)) // page_size
+  return sequences * pages_for(budget + margin(page_size), page_size)
+
+
+def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:
+  """Smallest budget eviction can always reach with the sink and recent tokens protected."""
+  if group_size == 1:
+    return max(1, sink + recent)
+  # Block eviction keeps every page that touches the sink or the recent window, plus the
+  # partially filled tail page.
+  return (pages_for(sink, page_size) + pages_for(recent, page_size) + 1) * page_size
