@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax._checks import check_int
 from kvjax.config import CacheConfig
 from kvjax.pages import NULL_PAGE, PageTable, pages_for, token_slots  # noqa: F401 - re-exported
 
@@ -227,11 +228,6 @@ def one_device(cache: PagedKVCache, what: str) -> None:
     )
 
 
-def _check_int(name, value, minimum=1):
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def init_cache(
     config: CacheConfig,
     num_layers: int,
@@ -257,7 +253,7 @@ def init_cache(
       ("head_dim", head_dim),
       ("chunk", chunk),
   ]:
-    _check_int(name, value)
+    check_int(name, value)
   slot_specs = _merge_slots(CACHE_SLOTS, tuple(slots))
   extra = {} if extra is None else extra
   if not isinstance(extra, dict) or not all(isinstance(name, str) for name in extra):

@@ -23,6 +23,7 @@ from kvjax.seam import ModelShape
 from kvjax.sharding import num_shards, to_host
 from kvjax.session import Sampling, compile_stats, decode, prefill
 from kvjax.spec import CompressionSpec
+from kvjax._checks import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +105,7 @@ def generate(
     progress: `progress(tokens_read, tokens_total)` after each prefill chunk (`prefill`).
     mesh: shard the cache and the model over devices, e.g. "data=2,model=2" (`prefill`).
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  check_int("max_new_tokens", max_new_tokens)
   if not isinstance(sampling, Sampling):
     raise TypeError(f"sampling must be a kvjax.Sampling, got {type(sampling).__name__}")
   spec = CompressionSpec() if spec is None else spec

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvjax._checks import check_int
 from jaxtyping import Array, Float, Int
 
 
@@ -28,8 +29,7 @@ class Sampling:
         isinstance(self.temperature, (int, float)) and self.temperature >= 0
     ):
       raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    check_int("top_k", self.top_k, 0, note=" (0 = off)")
     if isinstance(self.top_p, bool) or not (
         isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
     ):

@@ -31,6 +31,7 @@ from kvjax.sampling import Sampling, sample  # noqa: F401 - kvjax.session.Sampli
 from kvjax.seam import ModelShape, query_heads
 from kvjax.spec import CompressionSpec
 from kvjax.state import DecodeResult, State, copy, laid_out
+from kvjax._checks import check_int
 
 
 def prefill(
@@ -178,8 +179,7 @@ def decode(
   _check_state(state)
   if state.cache.mesh is not None:
     _check_placement(model, state.cache.mesh)
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  check_int("max_new_tokens", max_new_tokens)
   if not isinstance(sampling, Sampling):
     raise TypeError(f"sampling must be a kvjax.Sampling, got {type(sampling).__name__}")
   shape = ModelShape.of(model)
@@ -206,8 +206,8 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
   sampling key; `num=None` returns one copy. States are immutable, so a state that is never
   donated can also simply be reused."""
   _check_state(state)
-  if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 1):
-    raise ValueError(f"num must be an int >= 1 or None, got {num!r}")
+  if num is not None:
+    check_int("num", num, note=" or None")
   keys = jax.random.split(state.key, num or 1)
   copies = [copy(state).replace(key=keys[i]) for i in range(num or 1)]
   return copies[0] if num is None else copies
@@ -222,8 +222,7 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
   spec.policy.check_model(model)
   if spec.allocation is not None:
     spec.allocation.check_model(model)
-  if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-    raise ValueError(f"reserve must be an int >= 0, got {reserve!r}")
+  check_int("reserve", reserve, 0)
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
   longest = encoded.longest(shape.max_context)
   reserve = min(reserve, shape.max_context - longest)

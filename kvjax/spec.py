@@ -17,6 +17,7 @@ from kvjax.allocation import HeadAllocation
 from kvjax.config import GROUP_REDUCTIONS, CacheConfig
 from kvjax.pages import whole_pages
 from kvjax.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
+from kvjax._checks import is_int
 from kvjax.policies import (
     BUDGET_SCHEDULES,
     HEAD_BUDGETS,
@@ -455,5 +456,4 @@ class CachePlan:
     return self.eviction is not None and self.spec.once
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+_is_int = is_int

@@ -27,6 +27,7 @@ from kvjax.policies.learned import Scorer, normalise
 from kvjax.fingerprint import model_fingerprint
 from kvjax.session import context_scores
 from kvjax.spec import CompressionSpec
+from kvjax._checks import check_int
 
 LOG_FLOOR = 1e-6  # kvzip scores are attention probabilities: log(max(score, floor))
 
@@ -148,9 +149,8 @@ def evaluate(scorer: Scorer, features: np.ndarray, targets: np.ndarray, keep: fl
 
 def check_options(model=None, *, context_tokens: int, windows: int, held_out: float) -> None:
   """ValueError for options `train_scorer` cannot use (`model`: also its context limit)."""
-  for name, value, low in (("context_tokens", context_tokens, 16), ("windows", windows, 2)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+  check_int("context_tokens", context_tokens, 16)
+  check_int("windows", windows, 2)
   if not 0.0 < held_out < 1.0:
     raise ValueError(f"held_out must be a fraction in (0, 1), got {held_out!r}")
   if int(round(held_out * windows)) >= windows:
@@ -182,9 +182,8 @@ def train_scorer(
   from tqdm.auto import tqdm
 
   check_options(model, context_tokens=context_tokens, windows=windows, held_out=held_out)
-  for name, value in (("steps", steps), ("batch", batch)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  check_int("steps", steps)
+  check_int("batch", batch)
   if isinstance(learning_rate, bool) or not (
       isinstance(learning_rate, (int, float)) and 0 < learning_rate < float("inf")
   ):

@@ -12,11 +12,7 @@ import numpy as np
 from kvjax.pages import pages_for
 from kvjax.session import compile_stats, decode, fork, prefill
 from kvjax.spec import CompressionSpec
-
-
-def _check_positive_int(name, value):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+from kvjax._checks import check_int
 
 
 def decode_cost(
@@ -49,7 +45,7 @@ def decode_cost(
   """
   spec = CompressionSpec() if spec is None else spec
   ids = _context_ids(model, context_ids, decode_steps)
-  _check_positive_int("repeats", repeats)
+  check_int("repeats", repeats)
   n = len(ids)
   compiled = compile_stats()
   start = time.perf_counter()
@@ -110,7 +106,7 @@ def _context_ids(model, context_ids, decode_steps: int) -> list[int]:
   bad = [t for t in ids if not 0 <= t < vocab]
   if bad:
     raise ValueError(f"context_ids has token ids outside [0, {vocab}): {bad[:5]}")
-  _check_positive_int("decode_steps", decode_steps)
+  check_int("decode_steps", decode_steps)
   if len(ids) + decode_steps + 1 > context:  # + 1: the step-by-step pass warms up on one more
     raise ValueError(
         f"context_ids ({len(ids)} tokens) + decode_steps ({decode_steps}) + 1 exceeds the "

@@ -20,6 +20,7 @@ from kvjax.eval._fidelity import continuation_logits, fidelity, full_cache_spec
 from kvjax.prompts import Segment
 from kvjax.session import decode, extend, prefill
 from kvjax.spec import CompressionSpec
+from kvjax._checks import check_int
 
 
 def resolve_budget(spec: CompressionSpec | None, length: int) -> int | None:
@@ -198,8 +199,7 @@ def check_depths(depths):
 def check_counts(**counts):
   """Raises ValueError for a count (trials=, facts=, ...) that is not an int >= 1."""
   for name, value in counts.items():
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_int(name, value)
 
 
 def check_facts(facts: int) -> None:

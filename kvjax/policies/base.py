@@ -40,13 +40,9 @@ from kvjax.pages import token_slots
 READS = frozenset({"probs", "head_probs", "lse", "logits"})
 MODES = ("running", "once")
 GRANULARITIES = ("token", "page")
-# Class variables of earlier kvjax versions, still accepted on a subclass: what they meant.
-_LEGACY_READS = {
-    "needs_probs": "probs",
-    "needs_head_probs": "head_probs",
-    "needs_lse": "lse",
-    "needs_logits": "logits",
-}
+# Class variables of earlier kvjax versions, still accepted on a subclass: `needs_probs`
+# meant `reads` holds "probs", and so on.
+_LEGACY_READS = {f"needs_{name}": name for name in ("probs", "head_probs", "lse", "logits")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +53,7 @@ class AttentionStats:
   q: Float[Array, "B T Hq D"]
   out: Float[Array, "B T Hq D"]
   probs: Float[Array, "B Hkv T N"] | None  # summed over the query heads of each kv head;
-  # None for a policy that does not ask for them (`Policy.needs_probs`)
+  # None for a policy that does not read them (`Policy.reads`)
   head_probs: Float[Array, "B Hq T N"] | None  # only when the policy asks for it
   num_new: Int[Array, " B"]
   lse: Float[Array, "B T Hq"] | None = None  # per-query-head log-sum-exp, if asked for

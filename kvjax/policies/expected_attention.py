@@ -11,6 +11,7 @@ import numpy as np
 from kvjax import scores as S
 from kvjax.cache import Slot, logical_view, valid_mask
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
+from kvjax._checks import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +42,7 @@ class ExpectedAttention(Policy):
   use_vnorm: bool = True  # weigh each key's expected attention by ||v_j||
 
   def __post_init__(self):
-    if isinstance(self.n_future, bool) or not isinstance(self.n_future, int) or self.n_future < 1:
-      raise ValueError(f"n_future must be an int >= 1, got {self.n_future!r}")
+    check_int("n_future", self.n_future)
     for name in ("use_covariance", "use_vnorm"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -40,6 +40,7 @@ from kvjax.spec import CompressionSpec
 from kvjax.tuning import _search
 from kvjax.tuning._spec_file import FORMAT, load_spec, spec_record
 from kvjax.tuning._workload import question_items, split, text_items
+from kvjax._checks import check_int
 
 __all__ = ["Target", "TuneResult", "load_spec", "parse_target", "tune"]
 
@@ -90,8 +91,7 @@ def accuracy_bound(share: float, n: int, z: float = 1.0) -> float:
   """Wilson score lower bound of a share measured on n items (z standard errors)."""
   if not 0 <= share <= 1:
     raise ValueError(f"share must be in [0, 1], got {share!r}")
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-    raise ValueError(f"n must be an int >= 0 (items measured), got {n!r}")
+  check_int("n", n, 0, note=" (items measured)")
   if n == 0:
     return 0.0
   centre = share + z * z / (2 * n)
