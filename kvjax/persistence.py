@@ -53,7 +53,7 @@ from kvjax.cache import PagedKVCache, Slot
 from kvjax.config import CacheConfig
 from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import EvictionPlan, get_policy
-from kvjax.seam import ModelShape
+from kvjax.seam import ModelShape, model_record
 from kvjax.session import State
 from kvjax.spec import CachePlan, CompressionSpec
 from models.weight_cache import arrays_digest
@@ -229,11 +229,7 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
       "format": FORMAT,
       "kvjax_version": __version__,
       "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "model": {
-          "name": getattr(model.config, "name", type(model).__name__),
-          "fingerprint": model_fingerprint(model),
-          **dataclasses.asdict(shape),
-      },
+      "model": model_record(model),
       "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
       "spec": _spec_dict(spec),
       "plan": {

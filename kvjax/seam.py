@@ -98,6 +98,16 @@ def query_heads(model) -> int:
   return seen[0]
 
 
+def model_record(model) -> dict:
+  """What a saved state or a results file records of its model: its name, the fingerprint
+  of its weights and its `ModelShape`."""
+  return {
+      "name": getattr(model.config, "name", type(model).__name__),
+      "fingerprint": model_fingerprint(model),
+      **dataclasses.asdict(ModelShape.of(model)),
+  }
+
+
 def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_impl: str):
   """One layer's attention over the paged cache, run per shard: append the new K/V, attend
   (returning what the policy reads), and let the policy observe."""

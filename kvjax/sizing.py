@@ -37,9 +37,8 @@ def peak_tokens(budget, page_size: int, chunk: int, floor=0):
   """Tokens a sequence holds at its peak under eviction: its budget (or `floor`, tokens
   eviction cannot remove: protected tokens, or what it holds already), the margin, and one
   chunk appended before eviction runs. Ints or NumPy arrays."""
-  if isinstance(budget, int) and isinstance(floor, int):
-    return max(budget, floor) + margin(page_size) + chunk
-  return np.maximum(budget, floor) + margin(page_size) + chunk
+  peak = np.maximum(budget, floor) + margin(page_size) + chunk
+  return int(peak) if np.ndim(peak) == 0 else peak
 
 
 def layer_pages(

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from kvjax import _files
+from kvjax.seam import model_record
 
 SCHEMA = "kvjax-results/1"
 
@@ -93,20 +94,12 @@ def environment() -> dict:
 def new_results(task: str, model, config: dict) -> dict:
   if task not in METRICS:
     raise ValueError(f"task must be one of {sorted(METRICS)}, got {task!r}")
-  c = model.config
   return {
       "schema": SCHEMA,
       "task": task,
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       **environment(),
-      "model": {
-          "name": c.name,
-          "n_layers": c.n_layers,
-          "n_kv_heads": c.n_kv_heads,
-          "head_dim": c.head_dim,
-          "max_context": c.max_context,
-          "dtype": str(model.embed[...].dtype),
-      },
+      "model": model_record(model),  # any model with the seam, not only models.Llama
       "config": config,
       "rows": [],
   }
