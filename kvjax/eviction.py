@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import PagedKVCache, Status, logical_view, one_device, valid_mask
-from kvjax.pages import locate
+from kvjax.pages import locate, pages_for
 from pallas_kernels.group_importance import group_importance
 
 
@@ -119,7 +119,7 @@ def evict(
     nonfinite = ~guarded & ~jnp.isfinite(importance) & needs[..., None]
     rank = jnp.where(jnp.isnan(importance), -jnp.inf, importance)
     rank = jnp.where(guarded, jnp.nan, rank)
-    n_evict = jnp.where(needs, -(-(cache.length - budget) // g), 0)  # [L, B, H]
+    n_evict = jnp.where(needs, pages_for(cache.length - budget, g), 0)  # groups, [L, B, H]
     evicted = lowest(rank, n_evict) & ~guarded
     short = (evicted.sum(-1) < n_evict).any()  # protected tokens alone pass the budget
     apply = _evict_pages if g > 1 else _evict_tokens

@@ -15,7 +15,7 @@ import os
 
 from kvjax.allocation import HeadAllocation
 from kvjax.config import GROUP_REDUCTIONS, CacheConfig
-from kvjax.pages import whole_pages
+from kvjax.pages import pages_for, whole_pages
 from kvjax.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
 from kvjax._checks import is_int
 from kvjax.policies import (
@@ -389,7 +389,7 @@ class CompressionSpec:
       room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
       capacity = whole_pages(max(longest + room, budget + margin(ps) + 1), ps)
       cfg = CacheConfig(
-          max_tokens=capacity, num_pages=batch * n * h * (capacity // ps) + 1, **common
+          max_tokens=capacity, num_pages=batch * n * h * pages_for(capacity, ps) + 1, **common
       )
       # Observes (its scores fill) but never evicts while the context is read.
       eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
