@@ -82,3 +82,25 @@ def test_bad_arguments_name_the_limit():
     pf.pack(jnp.zeros((2, 3), jnp.uint8), 4)
   with pytest.raises(ValueError, match="head_dim must be even, got 7"):
     pf.stored_width(7, "int4")
+
+
+@pytest.mark.parametrize("bits, group", [(8, 64), (4, 16), (4, 64)])
+def test_per_token_groups_of_channels_round_trip_within_half_a_step(bits, group):
+  x = jax.random.normal(jax.random.key(1), (2, 5, 3, 64)) * jnp.linspace(0.1, 30.0, 64)
+  q = pf.quantize_tokens(x, bits, group)
+  assert q.codes.shape == x.shape and q.scale.shape == (2, 5, 3, 64 // group)
+  error = jnp.abs(pf.dequantize_tokens(q, group) - x).reshape(2, 5, 3, -1, group)
+  assert bool((error <= q.scale[..., None] / 2 * (1 + 1e-5) + 1e-6).all())
+  with pytest.raises(ValueError, match="group must divide the 64 channels, got group=24"):
+    pf.quantize_tokens(x, bits, 24)
+
+
+def test_smoothing_brings_every_key_channel_to_unit_range_and_back():
+  k = _keys_and_values().at[:, :, 5].set(0.0)  # [P, S, D]: a dead channel
+  valid = jnp.arange(16) < 12  # the last 4 slots are free: their garbage is ignored
+  k = k.at[:, 12:].set(1e9)
+  factors = pf.smoothing(k, valid[None, :].repeat(3, 0))  # [P, D]
+  assert factors.shape == (3, 8) and float(factors[0, 5]) == 1.0
+  smoothed = k[:, :12] / factors[:, None]
+  assert float(jnp.abs(smoothed).max()) == 1.0
+  np.testing.assert_allclose(smoothed * factors[:, None], k[:, :12], rtol=1e-6)
