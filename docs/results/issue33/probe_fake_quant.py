@@ -4,6 +4,8 @@ the fidelity KL against the float cache is measured at 2048 tokens over 8 window
 shipped text, 64 continuation tokens each.
 
   python docs/results/issue33/probe_fake_quant.py k8s-v8t 8
+  python docs/results/issue33/probe_fake_quant.py k8s-v8t 8 kvzip 0.5   # with a policy
+  python docs/results/issue33/probe_fake_quant.py float 8 kvzip 0.125   # nothing quantized
 
 A variant names the keys' and the values' bits and grouping: `c` per channel over a page's
 16 tokens, `t` per token over the 64 channels, `s` per token after dividing each channel by
@@ -30,10 +32,13 @@ from kvjax import seam  # noqa: E402
 from kvjax.eval import _data  # noqa: E402
 from kvjax.eval._fidelity import continuation_logits, fidelity  # noqa: E402
 
-variant = sys.argv[1]  # e.g. k8c-v8t, k4c-v4t, k4t-v4t, k8t-v8t
+variant = sys.argv[1]  # e.g. k8c-v8t, k4c-v4t, k4t-v4t, k8t-v8t, or float
 windows = int(sys.argv[2]) if len(sys.argv) > 2 else 8
-kbits, kgroup = int(variant[1]), variant[2]
-vbits, vgroup = int(variant[5]), variant[6]
+policy = sys.argv[3] if len(sys.argv) > 3 else "full"
+budget = float(sys.argv[4]) if len(sys.argv) > 4 else None
+if variant != "float":
+  kbits, kgroup = int(variant[1]), variant[2]
+  vbits, vgroup = int(variant[5]), variant[6]
 QUANT = [False]
 orig = C.append_layer
 
@@ -66,18 +71,21 @@ model, tok = models.load_llama()
 ids = tok.encode(_data.default_text())
 pairs = _data.text_windows(list(ids), 2048, 64, windows)
 full = kvjax.CompressionSpec()
-quant = kvjax.CompressionSpec(kv_dtype="float32")  # another static spec: traced anew
+# Another static spec than the reference's: traced anew, with the patch on.
+quant = kvjax.CompressionSpec(policy, budget=budget, kv_dtype="float32")
 refs = [continuation_logits(model, c, n, full)[0] for c, n in pairs]
-QUANT[0] = True
+QUANT[0] = variant != "float"
 kls, top1 = [], []
 for (c, n), ref in zip(pairs, refs):
-  r = fidelity(model, c, n, quant, reference_logits=ref)
+  r = fidelity(model, c, n, quant, reference_logits=ref, tokenizer=tok)
   kls.append(r["kl"])
   top1.append(r["top1"])
 print(
     json.dumps(
         {
             "variant": variant,
+            "policy": policy,
+            "budget": budget,
             "windows": windows,
             "kl": float(np.mean(kls)),
             "top1": float(np.mean(top1)),
