@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import PagedKVCache, Status, logical_view, one_device, valid_mask
-from kvjax.pages import locate, pages_for
+from kvjax.pages import compact_index, locate, pages_for
 from pallas_kernels.group_importance import group_importance
 
 
@@ -137,10 +137,9 @@ def _evict_pages(cache: PagedKVCache, evicted: Bool[Array, "L B H M"]) -> PagedK
 def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> PagedKVCache:
   ps = cache.config.page_size
   keep = ~evicted & valid_mask(cache)
-  # New slot of each kept token when kept tokens move to the front, in order (dropped ones
-  # map past the end); destinations are never after their sources, and the gather reads
-  # the old pool, so compaction in place is safe.
-  new_slot = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, keep.shape[-1])  # [L, B, H, N]
+  # Kept tokens move to the front, in order; destinations are never after their sources,
+  # and the gather reads the old pool, so compaction in place is safe.
+  new_slot = compact_index(keep)  # [L, B, H, N]
   new_length = keep.sum(-1)
   src_page, src_off = cache.pages.slots(ps)
   dst_page, dst_off = locate(cache.page_table, new_slot, ps)

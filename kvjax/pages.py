@@ -34,6 +34,12 @@ def pages_for(tokens, page_size: int):
   return -(-tokens // page_size)
 
 
+def compact_index(keep: Bool[Array, "... X"]) -> Int[Array, "... X"]:
+  """New index of each kept element when the kept ones move to the front, in order; dropped
+  elements map to X (out of range, so scatters with mode='drop' skip them)."""
+  return jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, keep.shape[-1])
+
+
 def whole_pages(tokens, page_size: int):
   """`tokens` rounded up to whole pages: the tokens `pages_for(tokens)` pages hold."""
   return pages_for(tokens, page_size) * page_size
@@ -146,9 +152,8 @@ class PageTable:
     pages, ids = self.free(evicted)
     m = self.table.shape[-1]
     keep = ~evicted
-    order = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, m)  # new index of a kept entry
     table = jax.vmap(lambda t, i: jnp.full_like(t, NULL_PAGE).at[i].set(t, mode="drop"))(
-        self.table.reshape(-1, m), order.reshape(-1, m)
+        self.table.reshape(-1, m), compact_index(keep).reshape(-1, m)
     ).reshape(self.table.shape)
     length = self.length - evicted.sum(-1) * page_size
     return pages.replace(table=table, length=length), ids
@@ -179,11 +184,10 @@ def token_slots(
   """Physical (page, offset) of the T tokens of each row that start at logical slot
   `first_slot`. Tokens t >= num_new[b] get page `num_pages`, out of range, so that
   scatters with mode="drop" skip them."""
-  slot = first_slot[:, None, :] + jnp.arange(t)[None, :, None]  # [B, T, H]
+  slot_BxHxT = first_slot[..., None] + jnp.arange(t)
+  page, offset = locate(table_BxHxM, slot_BxHxT, page_size)
   live = (jnp.arange(t)[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
-  logical_page = jnp.clip(slot // page_size, 0, table_BxHxM.shape[-1] - 1)
-  page = jnp.take_along_axis(table_BxHxM, logical_page.transpose(0, 2, 1), axis=-1)
-  return jnp.where(live, page.transpose(0, 2, 1), num_pages), slot % page_size
+  return jnp.where(live, page.transpose(0, 2, 1), num_pages), offset.transpose(0, 2, 1)
 
 
 # ---- on the host: a pool re-laid out ------------------------------------------------------
@@ -192,8 +196,13 @@ def token_slots(
 def live(table: np.ndarray, length: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
   """The mask of table entries sequences own [..., M], and the physical pages of those
   entries in table order (each live page once: no page is shared)."""
-  owned = np.arange(table.shape[-1]) < pages_for(length, page_size)[..., None]
+  owned = _owned(length, page_size, table.shape[-1])
   return owned, table[owned]
+
+
+def _owned(length: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
+  """The table entries [..., M] each sequence owns: its first pages_for(length)."""
+  return np.arange(max_pages) < pages_for(length, page_size)[..., None]
 
 
 def packed_table(owned: np.ndarray) -> np.ndarray:
@@ -227,7 +236,7 @@ def compact_plan(table: np.ndarray, length: np.ndarray, page_size: int, reserve:
   plus room for `reserve` more tokens per sequence, one size for all (the largest need):
   returns (num_pages, live [G], gather [G, num_pages]: the old page of each new page, the
   null page first, then the live pages in table order; packed tables; free stacks)."""
-  owned = np.arange(table.shape[-1]) < pages_for(length, page_size)[..., None]
+  owned = _owned(length, page_size, table.shape[-1])
   live_pages = owned.sum(axis=(1, 2, 3, 4))  # [G]
   held = owned.sum(-1)
   headroom = (pages_for(length + reserve, page_size) - held).sum(axis=(1, 2, 3))  # [G]

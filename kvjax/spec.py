@@ -128,9 +128,9 @@ class CompressionSpec:
       value, low = getattr(self, name), 0 if name == "sink" else 1
       if name == "prefill_chunk" and value is None:
         continue
-      if not _is_int(value) or value < low:
+      if not is_int(value) or value < low:
         fail(f"{name} must be an int >= {low}, got {value!r}")
-    if self.recent is not None and (not _is_int(self.recent) or self.recent < 0):
+    if self.recent is not None and (not is_int(self.recent) or self.recent < 0):
       fail(f"recent must be an int >= 0 or None, got {self.recent!r}")
     for name in ("fair",):
       if not isinstance(getattr(self, name), bool):
@@ -185,7 +185,7 @@ class CompressionSpec:
     elif isinstance(budget, float):
       if not 0.0 < budget < 1.0:
         fail(f"a fractional budget must be in (0, 1), got {budget}")
-    elif not _is_int(budget) or budget < 1:
+    elif not is_int(budget) or budget < 1:
       fail(f"budget must be a positive int (tokens) or a fraction in (0, 1), got {budget!r}")
     if self.head_budget not in (None, "uniform") and self.group != 1:
       fail(
@@ -206,7 +206,7 @@ class CompressionSpec:
           f"head_budget='global' ranks a whole scored context at once: policy "
           f"{self.policy.name!r} evicts while it reads; add compress='once', or use 'layer'"
       )
-    if _is_int(budget):
+    if is_int(budget):
       self._check_budget(int(budget), f"budget={budget}")
     self._check_allocation()
 
@@ -454,6 +454,3 @@ class CachePlan:
   def compresses_after_prefill(self) -> bool:
     """A query-agnostic policy whose context is still to be scored and compressed."""
     return self.eviction is not None and self.spec.once
-
-
-_is_int = is_int
