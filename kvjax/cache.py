@@ -1,7 +1,11 @@
 """Paged KV cache: page data, a page-table struct with the allocator that runs inside `jit`,
 and per-slot arrays that the cache and the policies declare.
 
-  k_pages, v_pages  [P, S, D]     physical pool; page 0 is the reserved null page
+  k_pages, v_pages  [P, S, D]     physical pool; page 0 is the reserved null page. Float, or
+                                  `QuantizedPages` (int8/int4 codes [P, S, W] with per-token
+                                  group scales [P, S, G], `pallas_kernels.page_format`): every
+                                  operation maps over the pool's arrays, so scales move with
+                                  their tokens; `read_pages` is the one way to read values
   slots             {name: [P, S]} per-slot arrays declared by `Slot`s: the cache's own
                                   (position, protected, segment) and the policy's (e.g. score)
   pages             PageTable     page table [L, B, H, M], lengths [L, B, H], free stack, status
@@ -31,6 +35,8 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax._checks import check_int
 from kvjax.config import CacheConfig
 from kvjax.pages import NULL_PAGE, PageTable, pages_for, token_slots  # noqa: F401 - re-exported
+from pallas_kernels import page_format
+from pallas_kernels.page_format import Pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +97,8 @@ class NumericsError(RuntimeError):
 
 @struct.dataclass
 class PagedKVCache:
-  k_pages: Float[Array, "P S D"]
-  v_pages: Float[Array, "P S D"]
+  k_pages: Pool  # [P, S, D] float, or QuantizedPages
+  v_pages: Pool
   slots: dict[str, Array]  # name -> [P, S], one entry per `slot_specs`
   pages: PageTable
   config: CacheConfig = struct.field(pytree_node=False)
@@ -191,9 +197,14 @@ class PagedKVCache:
     return self.pages.held(self.config.page_size)
 
   @property
+  def kv_dtype(self) -> str:
+    """How K/V are stored: a float dtype's name, or int8/int4."""
+    return page_format.kv_dtype_of(self.k_pages)
+
+  @property
   def page_bytes(self) -> int:
-    """Bytes of K and V in one page."""
-    return 2 * self.config.page_size * self.head_dim * self.k_pages.dtype.itemsize
+    """Bytes of K and V in one page, scales included."""
+    return 2 * self.config.page_size * page_format.token_bytes(self.head_dim, self.kv_dtype)
 
   @property
   def token_bytes(self) -> int:
@@ -288,10 +299,10 @@ def init_cache(
 def _empty_arrays(num_pages, page_size, head_dim, dtype, slot_specs, table_shape):
   """Every array of an empty cache, made by one compiled program (a first call compiles
   once, not once per array)."""
-  pool = (num_pages, page_size, head_dim)
+  pool = page_format.empty_pool(num_pages, page_size, head_dim, dtype)
   pages = PageTable.empty(table_shape, num_pages)
   slots = {spec.name: spec.init(num_pages, page_size) for spec in slot_specs}
-  return jnp.zeros(pool, dtype), jnp.zeros(pool, dtype), slots, pages
+  return pool, pool, slots, pages
 
 
 def _merge_slots(*groups: tuple[Slot, ...]) -> tuple[Slot, ...]:
@@ -340,7 +351,6 @@ def append_layer(
   new_length = length + num_new[:, None]
   pages, fits = cache.pages.allocate(layer, new_length, ps, cache.config.max_tokens)
   page, offset = token_slots(pages.table[layer], length, num_new * fits, t, ps, cache.num_pages)
-  dtype = cache.k_pages.dtype
   per_token = lambda x: jnp.broadcast_to(x[..., None], page.shape)  # noqa: E731
   status = cache.status | jnp.where(
       fits,
@@ -360,8 +370,8 @@ def append_layer(
       for spec in cache.slot_specs
   }
   return cache.replace(
-      k_pages=cache.k_pages.at[page, offset].set(k.astype(dtype), mode="drop"),
-      v_pages=cache.v_pages.at[page, offset].set(v.astype(dtype), mode="drop"),
+      k_pages=page_format.write(cache.k_pages, (page, offset), k),
+      v_pages=page_format.write(cache.v_pages, (page, offset), v),
       slots=slots,
       pages=pages.replace(status=status.astype(jnp.int32)),
   )
@@ -434,12 +444,22 @@ def _validate_append(cache, k, v, positions, num_new, protected, segment, *, lay
 
 
 def logical_view(cache: PagedKVCache, x: Array, layer=None) -> Array:
-  """Gathers a per-slot array ([P, S, ...]) into logical order: [(L,) B, H, M * S, ...]."""
+  """Gathers a per-slot array ([P, S, ...]) into logical order: [(L,) B, H, M * S, ...].
+  A K/V pool reads as its float values (dequantized when quantized)."""
   one_device(cache, "logical_view")
   table = cache.page_table if layer is None else cache.page_table[layer]
-  gathered = x[table]  # [..., M, S, ...]
+  if isinstance(x, page_format.QuantizedPages):
+    gathered = page_format.read(x, table)  # [..., M, S, D] float32
+  else:
+    gathered = x[table]  # [..., M, S, ...]
   lead = table.shape
   return gathered.reshape(*lead[:-1], lead[-1] * x.shape[1], *x.shape[2:])
+
+
+def read_pages(pool: Pool) -> Float[Array, "P S D"]:
+  """The K or V values of a whole pool as float32 (dequantized when quantized): what a
+  policy scoring every slot reads, e.g. key norms."""
+  return page_format.decode(pool)
 
 
 def valid_mask(cache: PagedKVCache, layer=None) -> Bool[Array, "..."]:
@@ -461,8 +481,9 @@ def read_sequence(cache: PagedKVCache, layer: int, row: int, head: int):
       raise ValueError(f"{name}={value} out of range [0, {size})")
   n = int(cache.length[layer, row, head])
   table = cache.page_table[layer, row, head]
-  take = lambda x: np.asarray(x[table].reshape(-1, *x.shape[2:])[:n])  # noqa: E731
-  return take(cache.k_pages), take(cache.v_pages), take(cache.slot("position"))
+  take = lambda x: np.asarray(x.reshape(-1, *x.shape[2:])[:n])  # noqa: E731
+  k, v = (page_format.read(pool, table) for pool in (cache.k_pages, cache.v_pages))
+  return take(k), take(v), take(cache.slot("position")[table])
 
 
 def check_status(cache: PagedKVCache) -> None:

@@ -760,6 +760,7 @@ def _tune(args) -> int:
       max_items=args.items,
       held_out=args.held_out,
       steps=args.steps,
+      kv_dtypes=args.kv_dtypes,
       progress=say,
   )
   path = result.write(out)
@@ -944,6 +945,15 @@ def build_parser() -> argparse.ArgumentParser:
       default=["kvzip", "expected_attention", "snapkv", "h2o"],
       metavar="POLICY",
       help="candidate policies (default: kvzip expected_attention snapkv h2o)",
+  )
+  tuner.add_argument(
+      "--kv-dtypes",
+      nargs="*",
+      default=["int8", "int4"],
+      choices=["int8", "int4"],
+      metavar="KV_DTYPE",
+      help="quantized K/V dtypes to try the chosen setting with (default: int8 int4; none: "
+      "float only)",
   )
   tuner.add_argument("--context-tokens", type=int, default=1024, help="tokens per context")
   tuner.add_argument(

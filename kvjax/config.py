@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import jax.numpy as jnp
-
 from kvjax.pages import pages_for
 from kvjax.sizing import margin, min_budget
+from pallas_kernels.page_format import KV_DTYPES
 
-_DTYPES = ("float32", "bfloat16", "float16")
 GROUP_REDUCTIONS = ("mean", "sum", "max")
 
 
@@ -44,7 +42,8 @@ class CacheConfig:
     num_pages: physical pool size including the reserved null page 0; None sizes
       the pool so that every sequence can reach `max_tokens` (no eviction) or
       `threshold` plus one chunk (with eviction), see `pool_pages`.
-    dtype: storage dtype of K and V.
+    dtype: storage dtype of K and V: a float dtype, or int8/int4 (quantized pages with a
+      float16 scale and zero per group of channels of each token, `pallas_kernels.page_format`).
   """
 
   page_size: int = 16
@@ -72,8 +71,8 @@ class CacheConfig:
         fail(f"{name} must be a non-negative int, got {value!r}")
     if self.max_tokens % self.page_size:
       fail(f"page_size={self.page_size} must divide max_tokens={self.max_tokens}")
-    if self.dtype not in _DTYPES:
-      fail(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+    if self.dtype not in KV_DTYPES:
+      fail(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
     if self.group_reduce not in GROUP_REDUCTIONS:
       fail(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
     group_size = self.page_size if self.group_size is None else self.group_size
@@ -130,10 +129,6 @@ class CacheConfig:
   def min_budget(self) -> int:
     """Smallest budget that eviction can always reach with sink and recent protected."""
     return min_budget(self.page_size, self.sink, self.recent, self.group_size)
-
-  @property
-  def jnp_dtype(self):
-    return jnp.dtype(self.dtype)
 
   def pages_per_sequence(self, chunk: int = 1) -> int:
     """Pages one sequence can hold at its peak when appending `chunk` tokens at a time."""

@@ -146,10 +146,39 @@ def _check_full_cache(model, ids):
   )
 
 
+def _check_quantized(model, ids):
+  """int8 and int4 pages against float32 pages: the same prefill and extend, logits within
+  the codec's error (int8 closer than int4), K/V bytes in proportion to the dtype's."""
+  import kvjax
+  from pallas_kernels.page_format import token_bytes
+
+  logits, held = {}, {}
+  for kv_dtype in ("float32", "int8", "int4"):
+    spec = kvjax.CompressionSpec(page_size=8, prefill_chunk=16, kv_dtype=kv_dtype)
+    state = kvjax.prefill(model, [ids[:-4]], spec)
+    first = np.asarray(state.logits)
+    state = kvjax.extend(model, state, [ids[-4:]])
+    logits[kv_dtype] = np.concatenate([first, np.asarray(state.logits)])
+    held[kv_dtype] = state.kv_bytes()
+  scale = float(np.abs(logits["float32"]).max())
+  diff = {kv: float(np.abs(logits[kv] - logits["float32"]).max()) / scale for kv in held}
+  d = model.config.head_dim
+  ratios = {kv: held["float32"] / held[kv] for kv in ("int8", "int4")}
+  in_proportion = all(
+      abs(r - token_bytes(d, "float32") / token_bytes(d, kv)) < 1e-6 for kv, r in ratios.items()
+  )
+  ok = diff["int8"] <= 0.02 and diff["int8"] <= diff["int4"] <= 0.3 and in_proportion
+  return ok, (
+      f"max |logit diff| / max |logit| vs float32 pages: int8 {diff['int8']:.1e}, int4 "
+      f"{diff['int4']:.1e}; K/V bytes 1/{ratios['int8']:.1f} and 1/{ratios['int4']:.1f}"
+  )
+
+
 def _check_kernel():
   """The paged-attention kernel (interpret mode off TPU/GPU) against the reference, with
-  NaN in the pages no sequence owns."""
+  NaN in the pages no sequence owns, on float32, int8 and int4 pages."""
   from kvjax.pages import pages_for
+  from pallas_kernels import page_format
   from pallas_kernels.paged_attention import paged_attention
 
   rng = np.random.default_rng(0)
@@ -168,15 +197,20 @@ def _check_kernel():
         owned[table[i, h, j]] = True
   k[~owned], v[~owned] = np.nan, np.nan  # an unused page that leaks shows up as NaN
   q = rng.normal(size=(b, 1, hkv * group, d)).astype(np.float32)
-  args = (q, k, v, table, lengths)
-  want = paged_attention(*args, impl="ref")
   interpret = jax.default_backend() not in ("tpu", "gpu")
-  got = paged_attention(*args, impl="pallas", interpret=interpret or None)
-  diff = max(float(np.abs(np.asarray(a) - np.asarray(w)).max()) for a, w in zip(got, want))
+  diffs = []
+  for kv_dtype in ("float32", "int8", "int4"):
+    pools = [page_format.encode(jnp.asarray(x), kv_dtype) for x in (k, v)]
+    args = (q, *pools, table, lengths)
+    want = paged_attention(*args, impl="ref")
+    got = paged_attention(*args, impl="pallas", interpret=interpret or None)
+    diffs.append(max(float(np.abs(np.asarray(a) - np.asarray(w)).max()) for a, w in zip(got, want)))
+  diff = max(diffs)
   mode = "interpret mode" if interpret else "compiled"
   return (
       diff <= 1e-5 and np.isfinite(diff),
-      f"Pallas kernel ({mode}) vs reference: max |diff| {diff:.1e}",
+      f"Pallas kernel ({mode}) vs reference on float32, int8 and int4 pages: max |diff| "
+      f"{diff:.1e}",
   )
 
 
@@ -241,6 +275,10 @@ def self_check(progress=None) -> list[Check]:
           lambda: _check_full_cache(model, tokenizer.encode(prompts[0])),
       ),
       ("Pallas paged attention = reference", _check_kernel),
+      (
+          "int8 / int4 pages ~ float32 pages",
+          lambda: _check_quantized(model, tokenizer.encode(prompts[0])),
+      ),
   ]
   for name in sorted(POLICIES):
     if name == "full":  # checked above

@@ -150,8 +150,8 @@ def _evict_tokens(cache: PagedKVCache, evicted: Bool[Array, "L B H N"]) -> Paged
     return x.at[dst_page, dst_off].set(x[src_page, src_off], mode="drop")
 
   cache = cache.replace(
-      k_pages=move(cache.k_pages),
-      v_pages=move(cache.v_pages),
+      k_pages=jax.tree.map(move, cache.k_pages),  # codes and scales alike
+      v_pages=jax.tree.map(move, cache.v_pages),
       slots={name: move(x) for name, x in cache.slots.items()},
   )
   return _shorten(cache, new_length)

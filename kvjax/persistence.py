@@ -55,6 +55,7 @@ from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import EvictionPlan, get_policy
 from kvjax.seam import ModelShape, model_record
 from kvjax.session import State
+from pallas_kernels import page_format
 from kvjax.spec import CachePlan, CompressionSpec
 from models.weight_cache import arrays_digest
 
@@ -142,7 +143,7 @@ def save_state(
   # As JSON gives it back (string keys, lists): the digest must match what a load reads.
   meta = json.loads(json.dumps(_describe(state, model, tokenizer, tokens, info)))
   arrays = _live_arrays(state)
-  meta["cache"]["live_pages"] = int(arrays["k_pages"].shape[0])
+  meta["cache"]["live_pages"] = int(arrays["table"].max(initial=pages.NULL_PAGE))
   meta["digest"] = _digest(meta, arrays)
 
   import orbax.checkpoint as ocp
@@ -250,7 +251,7 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
           "chunk": cache.chunk,
           "slots": [[s.name, s.dtype, s.empty] for s in cache.slot_specs],
           "extra": sorted(cache.extra),
-          "kv_dtype": cache.k_pages.dtype.name,
+          "kv_dtype": cache.kv_dtype,
           "kv_bytes": cache.kv_bytes(),
       },
       "key_impl": str(jax.random.key_impl(state.key)),
@@ -301,8 +302,8 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
   live_ids = jnp.asarray(gather[0, 1 : 1 + live[0]])
   take = lambda x: np.asarray(jnp.take(x, live_ids, axis=0))  # noqa: E731
   arrays = {
-      "k_pages": take(cache.k_pages),
-      "v_pages": take(cache.v_pages),
+      **_pool_arrays("k_pages", jax.tree.map(take, cache.k_pages)),
+      **_pool_arrays("v_pages", jax.tree.map(take, cache.v_pages)),
       "table": packed[0],
       "length": np.asarray(cache.length),
       "status": np.asarray(cache.status),
@@ -315,6 +316,22 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
   arrays.update({f"slot.{name}": take(x) for name, x in cache.slots.items()})
   arrays.update({f"extra.{name}": np.asarray(x) for name, x in cache.extra.items()})
   return arrays
+
+
+def _pool_arrays(name: str, pool) -> dict[str, np.ndarray]:
+  """A K or V pool's arrays by name: `name` for floats; `name.codes`, `name.scale` and
+  `name.zero` for quantized pages (saved as they are: a state loads as it was saved)."""
+  if isinstance(pool, page_format.QuantizedPages):
+    return {f"{name}.{part}": getattr(pool, part) for part in ("codes", "scale", "zero")}
+  return {name: pool}
+
+
+def _saved_pool(arrays: dict, name: str, kv_dtype: str, rebuild):
+  """The pool `_pool_arrays` saved, each array through `rebuild` (re-laid out to size)."""
+  if kv_dtype in page_format.QUANTIZED_DTYPES:
+    parts = {part: rebuild(arrays[f"{name}.{part}"]) for part in ("codes", "scale", "zero")}
+    return page_format.QuantizedPages(**parts, kv_dtype=kv_dtype)
+  return rebuild(arrays[name])
 
 
 def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
@@ -358,18 +375,31 @@ def state_info(path: str | os.PathLike) -> dict:
   return _read_current(pathlib.Path(path).absolute(), _read_meta)
 
 
-def load_state(path: str | os.PathLike, model, *, tokenizer=None) -> State:
+def load_state(
+    path: str | os.PathLike, model, *, tokenizer=None, kv_dtype: str | None = None
+) -> State:
   """The state saved at `path`, for `model` (and `tokenizer`, when the state recorded one).
+  A state loads with the K/V dtype it was saved with (int8 pages as int8: codes and scales
+  as they were); `kv_dtype`, when given, is the dtype the caller expects.
 
   Raises StateFileError (a ValueError) naming what is wrong: no state there, a corrupted or
   truncated checkpoint (the digest does not match), another kvjax format, another model,
-  another dtype or another tokenizer. Nothing reaches the device before every check passed.
+  another dtype, another K/V dtype than `kv_dtype` or another tokenizer. Nothing reaches
+  the device before every check passed.
   """
   ModelShape.of(model)  # a wrong argument is a TypeError, not a damaged state
+  if kv_dtype is not None:
+    page_format.check_kv_dtype("kv_dtype", kv_dtype)
 
   def read(version: pathlib.Path) -> State:
     meta = _read_meta(version)
     _check_compatible(meta, model, tokenizer, version)
+    saved_dtype = _get(_get(meta, "cache"), "kv_dtype")
+    if kv_dtype is not None and saved_dtype != kv_dtype:
+      raise StateFileError(
+          f"{version}: its K/V pages are {saved_dtype}, not kv_dtype={kv_dtype!r}; a state "
+          "keeps the dtype it was saved with (prefill again to store it as another)"
+      )
     arrays = _read_arrays(version, meta)
     if _digest(meta, arrays) != meta.get("digest"):
       raise StateFileError(
@@ -532,20 +562,23 @@ def _rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -
           "that the saved state lacks (saved by another kvjax version); prefill again"
       )
   num_pages, live = saved_cache["num_pages"], saved_cache["live_pages"]
-  if (
-      int(arrays["table"].max(initial=pages.NULL_PAGE)) != live
-      or arrays["k_pages"].shape[0] != live
+  kv_dtype = saved_cache.get("kv_dtype", config.dtype)
+  if kv_dtype != config.dtype:
+    raise StateFileError(f"{version}: its pages ({kv_dtype}) disagree with its config")
+  saved_pages = [x for name, x in arrays.items() if name.split(".")[0] in ("k_pages", "v_pages")]
+  if int(arrays["table"].max(initial=pages.NULL_PAGE)) != live or any(
+      x.shape[0] != live for x in saved_pages
   ):
     raise StateFileError(f"{version}: its page table does not match its {live} saved pages")
 
-  def pool(saved: np.ndarray, empty) -> jax.Array:
+  def pool(saved: np.ndarray, empty=0) -> jax.Array:
     full = np.full((num_pages, *saved.shape[1:]), empty, saved.dtype)
     full[1 : 1 + live] = saved
     return jnp.asarray(full)
 
   cache = PagedKVCache(
-      k_pages=pool(arrays["k_pages"], 0),
-      v_pages=pool(arrays["v_pages"], 0),
+      k_pages=_saved_pool(arrays, "k_pages", kv_dtype, pool),
+      v_pages=_saved_pool(arrays, "v_pages", kv_dtype, pool),
       slots={s.name: pool(arrays[f"slot.{s.name}"], s.empty) for s in slot_specs},
       pages=pages.PageTable.packed(
           arrays["table"], arrays["length"], num_pages, live, arrays["status"]

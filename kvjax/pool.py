@@ -82,8 +82,8 @@ def grow(state: State, capacity: int, extra: int) -> State:
   table = cache.page_table
   new_cfg = dataclasses.replace(cfg, max_tokens=capacity, num_pages=p + extra)
   grown = cache.replace(
-      k_pages=pad(cache.k_pages, 0),
-      v_pages=pad(cache.v_pages, 0),
+      k_pages=jax.tree.map(lambda x: pad(x, 0), cache.k_pages),  # codes and scales alike
+      v_pages=jax.tree.map(lambda x: pad(x, 0), cache.v_pages),
       slots={s.name: pad(cache.slots[s.name], s.empty) for s in cache.slot_specs},
       pages=cache.pages.replace(
           table=jnp.concatenate(
@@ -153,8 +153,8 @@ def compact(cache: PagedKVCache, reserve: int) -> PagedKVCache:
     return jnp.where(mask, kept, jnp.asarray(empty, x.dtype))
 
   compacted = cache.replace(
-      k_pages=compact(cache.k_pages, 0),
-      v_pages=compact(cache.v_pages, 0),
+      k_pages=jax.tree.map(lambda x: compact(x, 0), cache.k_pages),
+      v_pages=jax.tree.map(lambda x: compact(x, 0), cache.v_pages),
       slots={s.name: compact(cache.slots[s.name], s.empty) for s in cache.slot_specs},
       pages=cache.pages.replace(
           table=jnp.asarray(shards.unblocks(cache, packed)),

@@ -125,8 +125,8 @@ def cache_specs(cache: PagedKVCache) -> PagedKVCache:
     raise ValueError("a sharded cache holds no policy `extra` state (see check_policy)")
   per_sequence = P(None, DATA, MODEL)
   return cache.replace(
-      k_pages=P(SHARDS),
-      v_pages=P(SHARDS),
+      k_pages=jax.tree.map(lambda _: P(SHARDS), cache.k_pages),
+      v_pages=jax.tree.map(lambda _: P(SHARDS), cache.v_pages),
       slots={name: P(SHARDS) for name in cache.slots},
       pages=cache.pages.replace(
           table=per_sequence,
@@ -206,8 +206,8 @@ def _local(cache: PagedKVCache) -> PagedKVCache:
   """Inside `on_shards`: this shard's [1, ...] blocks as the cache one device would hold."""
   pages = cache.pages
   return cache.replace(
-      k_pages=cache.k_pages[0],
-      v_pages=cache.v_pages[0],
+      k_pages=jax.tree.map(lambda x: x[0], cache.k_pages),
+      v_pages=jax.tree.map(lambda x: x[0], cache.v_pages),
       slots={name: x[0] for name, x in cache.slots.items()},
       pages=pages.replace(
           free_pages=pages.free_pages[0], num_free=pages.num_free[0], status=pages.status[0]
@@ -219,8 +219,8 @@ def _local(cache: PagedKVCache) -> PagedKVCache:
 def _stacked(cache: PagedKVCache, mesh: Mesh) -> PagedKVCache:
   pages = cache.pages
   return cache.replace(
-      k_pages=cache.k_pages[None],
-      v_pages=cache.v_pages[None],
+      k_pages=jax.tree.map(lambda x: x[None], cache.k_pages),
+      v_pages=jax.tree.map(lambda x: x[None], cache.v_pages),
       slots={name: x[None] for name, x in cache.slots.items()},
       pages=pages.replace(
           free_pages=pages.free_pages[None],

@@ -18,6 +18,7 @@ from kvjax.config import GROUP_REDUCTIONS, CacheConfig
 from kvjax.pages import pages_for, whole_pages
 from kvjax.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
 from kvjax._checks import is_int
+from pallas_kernels.page_format import KV_DTYPES
 from kvjax.policies import (
     BUDGET_SCHEDULES,
     HEAD_BUDGETS,
@@ -35,7 +36,6 @@ COMPRESS_MODES = (
     "running",
     "once",
 )  # the recent window of budget="auto" when `recent` is not given
-KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _field(default, help: str, **cli):
@@ -110,7 +110,12 @@ class CompressionSpec:
       "attention and scoring kernels: Pallas where verified, or the jnp reference",
       choices=ATTENTION_IMPLS,
   )
-  kv_dtype: str | None = _field(None, "K/V storage dtype (default: the model's)", choices=KV_DTYPES)
+  kv_dtype: str | None = _field(
+      None,
+      "K/V storage dtype (default: the model's); int8/int4 store codes with a float16 scale "
+      "per group of channels of each token",
+      choices=KV_DTYPES,
+  )
 
   def __post_init__(self):
     def fail(msg):

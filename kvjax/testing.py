@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import numpy as np
 
 from kvjax.cache import PagedKVCache
@@ -30,8 +31,8 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
       pool = lambda x: host(x)[g]  # noqa: E731
       assert_cache_invariants(
           cache.replace(
-              k_pages=pool(cache.k_pages),
-              v_pages=pool(cache.v_pages),
+              k_pages=jax.tree.map(pool, cache.k_pages),
+              v_pages=jax.tree.map(pool, cache.v_pages),
               slots={name: pool(x) for name, x in cache.slots.items()},
               pages=cache.pages.replace(
                   table=table[g],

@@ -24,6 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import page_format
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 IMPLS = ("auto", "pallas", "ref")
 TARGET_BLOCK_TOKENS = 128  # tokens per grid step when pages are small
@@ -64,8 +66,11 @@ def is_traced(x) -> bool:
 
 
 def check_float_dtypes(**arrays):
-  """TypeError unless every array is float32 or bfloat16 (what the kernels take)."""
+  """TypeError unless every array is float32 or bfloat16 (what the kernels take); a
+  quantized page pool (`QuantizedPages`) passes: the kernels dequantize it."""
   for name, x in arrays.items():
+    if isinstance(x, page_format.QuantizedPages):
+      continue
     if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
       raise TypeError(f"{name} must be float32 or bfloat16 for the Pallas kernel, got {x.dtype}")
 
@@ -84,8 +89,9 @@ def check_page_table_range(page_table, num_pages: int):
 
 def validate_paged_args(q, k_pages, v_pages, page_table, lengths, num_queries=None):
   """Raises ValueError/TypeError for inconsistent shapes or dtypes (before any compute):
-  q [B, T, Hq, D], k_pages = v_pages [P, S, D], page_table [B, Hkv, M] with Hkv dividing
-  Hq, lengths [B, Hkv] and, if given, num_queries [B]."""
+  q [B, T, Hq, D], k_pages = v_pages [P, S, D] (float, or `QuantizedPages` of one K/V
+  dtype), page_table [B, Hkv, M] with Hkv dividing Hq, lengths [B, Hkv] and, if given,
+  num_queries [B]."""
   if getattr(q, "ndim", None) != 4:
     raise ValueError(f"q must be [B, T, Hq, D], got shape {getattr(q, 'shape', None)}")
   b, _, hq, d = q.shape
@@ -94,6 +100,12 @@ def validate_paged_args(q, k_pages, v_pages, page_table, lengths, num_queries=No
   if getattr(v_pages, "shape", None) != k_pages.shape:
     raise ValueError(
         f"v_pages shape {getattr(v_pages, 'shape', None)} != k_pages shape " f"{k_pages.shape}"
+    )
+  quantized = [isinstance(x, page_format.QuantizedPages) for x in (k_pages, v_pages)]
+  if any(quantized) and (not all(quantized) or k_pages.kv_dtype != v_pages.kv_dtype):
+    raise TypeError(
+        f"k_pages and v_pages must be stored alike, got {page_format.kv_dtype_of(k_pages)} "
+        f"and {page_format.kv_dtype_of(v_pages)}"
     )
   if getattr(page_table, "ndim", None) != 3 or page_table.shape[0] != b:
     raise ValueError(
@@ -108,7 +120,9 @@ def validate_paged_args(q, k_pages, v_pages, page_table, lengths, num_queries=No
     )
   if num_queries is not None and jnp.shape(num_queries) != (b,):
     raise ValueError(f"num_queries must be [B] = ({b},), got {jnp.shape(num_queries)}")
-  check_dtype_kind(jnp.floating, "floating point", q=q, k_pages=k_pages, v_pages=v_pages)
+  check_dtype_kind(jnp.floating, "floating point", q=q)
+  if not any(quantized):
+    check_dtype_kind(jnp.floating, "floating point", k_pages=k_pages, v_pages=v_pages)
   check_dtype_kind(jnp.integer, "integer", page_table=page_table, lengths=lengths)
 
 
@@ -124,12 +138,12 @@ def check_dtype_kind(kind, kind_name: str, **arrays):
 
 
 def gather_pages(pages, page_table, lengths=None):
-  """[B, Hkv, N, D] float32: each sequence's pages [P, S, D] in logical order through the
-  table [B, Hkv, M]. With `lengths` [B, Hkv], slots at or past the length are zeroed
-  (unused slots may hold anything, NaN included)."""
+  """[B, Hkv, N, D] float32: each sequence's pages [P, S, D] (float or quantized) in logical
+  order through the table [B, Hkv, M]. With `lengths` [B, Hkv], slots at or past the
+  length are zeroed (unused slots may hold anything, NaN included)."""
   b, hkv, m = page_table.shape
   _, page_size, d = pages.shape
-  x = pages[page_table].reshape(b, hkv, m * page_size, d).astype(jnp.float32)
+  x = page_format.read(pages, page_table).reshape(b, hkv, m * page_size, d)
   if lengths is None:
     return x
   return jnp.where(live_slots(lengths, m * page_size)[..., None], x, 0.0)
@@ -242,20 +256,28 @@ def unblock(p: PagedDecode, x):
   return x.transpose(0, 1, 3, 2, 4).reshape(b, hkv, rows, num_blocks * bk)[..., : p.num_slots]
 
 
-def paged_kv_specs(page_size, head_dim, num_kv_heads, pages_per_table, pages_per_block):
-  """BlockSpecs for `pages_per_block` views of one page pool, read through the
-  scalar-prefetched page table. Index maps take (b, h, i, table_ref, lengths_ref)."""
+def paged_kv_specs(pool, num_kv_heads, pages_per_table, pages_per_block):
+  """BlockSpecs for `pages_per_block` views of one page pool (float [P, S, D], or each of a
+  `QuantizedPages`' arrays [P, S, ...], page by page), read through the scalar-prefetched
+  page table. Index maps take (b, h, i, table_ref, lengths_ref)."""
+  page_size = pool.shape[1]
 
-  def spec(j):
+  def spec(j, width):
     def index_map(b, h, i, table_ref, lengths_ref):
       seq = b * num_kv_heads + h
       live_pages = jax.lax.div(lengths_ref[seq] + page_size - 1, page_size)
       page = jnp.minimum(i * pages_per_block + j, jnp.maximum(live_pages - 1, 0))
       return table_ref[seq * pages_per_table + page], 0, 0
 
-    return pl.BlockSpec((None, page_size, head_dim), index_map)
+    return pl.BlockSpec((None, page_size, width), index_map)
 
-  return [spec(j) for j in range(pages_per_block)]
+  leaves = jax.tree.leaves(pool)
+  return [spec(j, x.shape[-1]) for j in range(pages_per_block) for x in leaves]
+
+
+def pool_operands(pool, pages_per_block: int) -> list:
+  """The operands `paged_kv_specs` describes: the pool's arrays, once per page of a block."""
+  return jax.tree.leaves(pool) * pages_per_block
 
 
 def last_live_block(b, h, i, lengths_ref, num_kv_heads, block_tokens):
@@ -284,36 +306,57 @@ def paged_pallas_call(
 ):
   """`pl.pallas_call` of a paged decode kernel on the grid (B, Hkv, blocks).
 
-  The kernel gets the layout as keywords (page_size, pages_per_block, num_kv_heads) and its
-  operands as (table_ref, lengths_ref, *head operands, *ppb K page refs, *ppb V page refs,
-  *outputs, *scratch). Returns a function of (*head operands, k_pages, v_pages), whose
-  `in_specs` are those of the head operands."""
+  The kernel gets the layout as keywords (page_size, pages_per_block, num_kv_heads,
+  kv_dtype) and its operands as (table_ref, lengths_ref, *head operands, *ppb K page refs,
+  *ppb V page refs, *outputs, *scratch); a quantized pool gives each page its codes, scale
+  and zero refs. Returns a function of (*head operands, k_pages, v_pages), whose `in_specs`
+  are those of the head operands."""
   ppb = p.pages_per_block
-  kv_specs = paged_kv_specs(p.page_size, p.head_dim, p.kv_heads, p.num_blocks * ppb, ppb)
-  call = pl.pallas_call(
-      functools.partial(
-          kernel, page_size=p.page_size, pages_per_block=ppb, num_kv_heads=p.kv_heads
-      ),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(p.batch, p.kv_heads, p.num_blocks),
-          in_specs=[*in_specs, *kv_specs, *kv_specs],
-          out_specs=out_specs,
-          scratch_shapes=scratch_shapes,
-      ),
-      out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")
-      ),
-      interpret=interpret,
-      name=name,
-  )
 
   def run(*heads_and_pools):
     *heads, k_pages, v_pages = heads_and_pools
-    return call(p.table, p.lens, *heads, *([k_pages] * ppb), *([v_pages] * ppb))
+    kv_specs = paged_kv_specs(k_pages, p.kv_heads, p.num_blocks * ppb, ppb)
+    call = pl.pallas_call(
+        functools.partial(
+            kernel,
+            page_size=p.page_size,
+            pages_per_block=ppb,
+            num_kv_heads=p.kv_heads,
+            kv_dtype=page_format.kv_dtype_of(k_pages),
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(p.batch, p.kv_heads, p.num_blocks),
+            in_specs=[*in_specs, *kv_specs, *kv_specs],
+            out_specs=out_specs,
+            scratch_shapes=scratch_shapes,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+        name=name,
+    )
+    pools = [*pool_operands(k_pages, ppb), *pool_operands(v_pages, ppb)]
+    return call(p.table, p.lens, *heads, *pools)
 
   return run
+
+
+def load_pages(refs, kv_dtype: str, index=..., dtype=jnp.float32):
+  """In a kernel: the values [.., D] of page refs (one float ref, or a quantized page's
+  codes, scale and zero refs) at `index`, as `dtype` (dequantized)."""
+  if kv_dtype in page_format.QUANTIZED_DTYPES:
+    codes, scale, zero = (r[index] for r in refs)
+    return page_format.decode(page_format.QuantizedPages(codes, scale, zero, kv_dtype), dtype)
+  (ref,) = refs
+  return ref[index].astype(dtype)
+
+
+def leaves_per_pool(kv_dtype: str) -> int:
+  """Arrays in one pool: a float array, or codes, scale and zero."""
+  return 3 if kv_dtype in page_format.QUANTIZED_DTYPES else 1
 
 
 def dot(a, b, contract, precision=jax.lax.Precision.HIGHEST):
@@ -327,7 +370,9 @@ def dot(a, b, contract, precision=jax.lax.Precision.HIGHEST):
   )
 
 
-def kernel_block(lengths_ref, q_ref, refs, *, scale, page_size, pages_per_block, num_kv_heads):
+def kernel_block(
+    lengths_ref, q_ref, refs, *, scale, page_size, pages_per_block, num_kv_heads, kv_dtype
+):
   """In a paged decode kernel: the grid step's block along the sequence.
 
   Returns (i, live, out_refs, load): the block index, whether the block holds live slots
@@ -336,8 +381,12 @@ def kernel_block(lengths_ref, q_ref, refs, *, scale, page_size, pages_per_block,
   -inf at dead slots, the mask of live slots [G, bk] and V [bk, D] f32 with dead rows
   zeroed (so that NaN in unused slots never leaks).
   """
-  k_refs = refs[:pages_per_block]  # ppb x [S, D]
-  v_refs = refs[pages_per_block : 2 * pages_per_block]
+  n = leaves_per_pool(kv_dtype)  # refs per page: [S, D], or codes, scale and zero
+  k_refs = [refs[j * n : (j + 1) * n] for j in range(pages_per_block)]
+  v_refs = [
+      refs[(pages_per_block + j) * n : (pages_per_block + j + 1) * n]
+      for j in range(pages_per_block)
+  ]
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_tokens = page_size * pages_per_block
   length = lengths_ref[b * num_kv_heads + h]
@@ -345,11 +394,12 @@ def kernel_block(lengths_ref, q_ref, refs, *, scale, page_size, pages_per_block,
   def load():
     q = q_ref[...].astype(jnp.float32) * scale  # [G, D]
     # Cast each page before concatenating: f32 pages of >= 8 rows stay sublane-tile aligned.
-    k = jnp.concatenate([r[...].astype(jnp.float32) for r in k_refs], axis=0)  # [bk, D]
-    v = jnp.concatenate([r[...].astype(jnp.float32) for r in v_refs], axis=0)  # [bk, D]
+    # Quantized pages are dequantized page by page, in VMEM: HBM holds only the codes.
+    k = jnp.concatenate([load_pages(r, kv_dtype) for r in k_refs], axis=0)  # [bk, D]
+    v = jnp.concatenate([load_pages(r, kv_dtype) for r in v_refs], axis=0)  # [bk, D]
     s = dot(q, k, ((1,), (1,)))  # [G, bk]
     live = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
     row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
     return jnp.where(live, s, -jnp.inf), live, jnp.where(row < length, v, 0.0)
 
-  return i, i * block_tokens < length, refs[2 * pages_per_block :], load
+  return i, i * block_tokens < length, refs[2 * pages_per_block * n :], load

@@ -114,7 +114,7 @@ def _output_impact_kernel(
     scale,
     eps,
     squared,
-    **layout,  # page_size, pages_per_block, num_kv_heads
+    **layout,  # page_size, pages_per_block, num_kv_heads, kv_dtype
 ):
   i, live, (r_ref,), load = kernel_block(lengths_ref, q_ref, refs, scale=scale, **layout)
 

@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import page_format
 from pallas_kernels._common import (
     IMPLS,
     SUPPORTED_DTYPES,
@@ -32,7 +33,9 @@ from pallas_kernels._common import (
     is_traced,
     kernel_block,
     last_live_block,
+    leaves_per_pool,
     live_block_spec,
+    load_pages,
     paged_kv_specs,
     paged_pallas_call,
     prepare_paged_operands,
@@ -194,9 +197,8 @@ def paged_attention_live_blocks(
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
     raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-  q, k_pages, v_pages, page_table, lengths = map(
-      jnp.asarray, (q, k_pages, v_pages, page_table, lengths)
-  )
+  q, page_table, lengths = map(jnp.asarray, (q, page_table, lengths))
+  k_pages, v_pages = (jax.tree.map(jnp.asarray, x) for x in (k_pages, v_pages))
   b, t, hq, d = q.shape
   _, hkv, m = page_table.shape
   s = k_pages.shape[1]
@@ -209,10 +211,10 @@ def paged_attention_live_blocks(
   limit = jnp.repeat(_visible_limit(lengths, num_queries, t), g, axis=2)  # [B, Hkv, T*G]
   width = ppb * s
 
-  def load(j):  # K, V of block j: [B, Hkv, W, D] float32 each
+  def load(j):  # K, V of block j: [B, Hkv, W, D] float32 each (dequantized block by block)
     pages = jax.lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
-    k = k_pages[pages].reshape(b, hkv, width, d).astype(jnp.float32)
-    return k, v_pages[pages].reshape(b, hkv, width, d).astype(jnp.float32)
+    k = page_format.read(k_pages, pages).reshape(b, hkv, width, d)
+    return k, page_format.read(v_pages, pages).reshape(b, hkv, width, d)
 
   def update(carry, logits, v, visible=None):
     m_i, l_i, acc = carry  # [B, Hkv, TG], [B, Hkv, TG], [B, Hkv, TG, D]
@@ -303,7 +305,7 @@ def _paged_attention_kernel(
     q_ref,  # [G, D]
     *refs,  # K pages ppb x [S, D], V pages ppb x [S, D]; outputs; scratch
     scale,
-    **layout,  # page_size, pages_per_block, num_kv_heads
+    **layout,  # page_size, pages_per_block, num_kv_heads, kv_dtype
 ):
   i, live, out_refs, load = kernel_block(lengths_ref, q_ref, refs, scale=scale, **layout)
   out_ref, logits_ref, lse_ref, m_ref, l_ref, acc_ref = out_refs  # [G, D], [G, bk], [G, 1];
@@ -449,7 +451,7 @@ def check_gpu_shapes(q_shape, page_size: int):
 
 def check_gpu_pool_size(k_pages):
   """ValueError for pools the Triton kernel cannot address (its offsets are int32)."""
-  if k_pages.size >= 2**31:
+  if max(x.size for x in jax.tree.leaves(k_pages)) >= 2**31:
     raise ValueError(f"the GPU kernel addresses pools of < 2**31 elements, got {k_pages.shape}")
 
 
@@ -470,21 +472,22 @@ def _paged_attention_gpu_kernel(
     table_ref,  # [B, Hkv, blocks * ppb] int32
     lengths_ref,  # [B, Hkv] int32, visible slots
     q_ref,  # [B, Hkv, Gp, D]
-    k_ref,  # [P, S, D]
-    v_ref,  # [P, S, D]
-    out_ref,  # [B, Hkv, splits, Gp, D] f32, normalised within the split
-    logits_ref,  # [B, Hkv, blocks, G, bk] f32
-    lse_ref,  # [B, Hkv, splits, Gp] f32, -inf for an empty split
-    *,
+    *refs,  # K pool, V pool: [P, S, D] each, or codes [P, S, W], scale, zero [P, S, G]
+    # then out [B, Hkv, splits, Gp, D] f32 (normalised within the split), logits
+    # [B, Hkv, blocks, G, bk] f32, lse [B, Hkv, splits, Gp] f32 (-inf for an empty split)
     scale,
     group,
     pages_per_block,
     blocks_per_split,
     precision,
+    kv_dtype,
 ):
+  n = leaves_per_pool(kv_dtype)
+  k_refs, v_refs = refs[:n], refs[n : 2 * n]
+  out_ref, logits_ref, lse_ref = refs[2 * n :]
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   gp, d = q_ref.shape[2], q_ref.shape[3]
-  page_size = k_ref.shape[1]
+  page_size = k_refs[0].shape[1]
   ppb = pages_per_block
   bk = ppb * page_size
   length = lengths_ref[b, h]
@@ -497,8 +500,9 @@ def _paged_attention_gpu_kernel(
     m_prev, l_prev, acc_prev = carry  # [Gp], [Gp], [Gp, D]
     pages = table_ref[b, h, pl.ds(i * ppb, ppb)]  # [ppb]
     # Both dots run in q's dtype (tl.dot takes one operand type; no-op when the pools agree).
-    k = k_ref[pages].reshape(bk, d).astype(q.dtype)  # [bk, D]
-    v = v_ref[pages].reshape(bk, d).astype(q.dtype)  # [bk, D]
+    # Quantized pages are gathered as codes and dequantized here, in registers.
+    k = load_pages(k_refs, kv_dtype, pages, q.dtype).reshape(bk, d)  # [bk, D]
+    v = load_pages(v_refs, kv_dtype, pages, q.dtype).reshape(bk, d)  # [bk, D]
     s = dot(q, k, ((1,), (1,)), precision) * scale  # [Gp, bk]
     slot = i * bk + jax.lax.broadcasted_iota(jnp.int32, (gp, bk), 1)
     s = jnp.where(slot < length, s, -jnp.inf)
@@ -548,7 +552,9 @@ def paged_attention_pallas_gpu(
   sequence's blocks among programs. Arguments are not validated here (see
   `paged_attention`), shapes are (`check_gpu_shapes`).
   """
-  itemsize = jnp.dtype(k_pages.dtype).itemsize
+  kv_dtype = page_format.kv_dtype_of(k_pages)
+  # Blocks are held in q's dtype once loaded (quantized pages are dequantized to it).
+  itemsize = jnp.dtype(q.dtype if kv_dtype in page_format.QUANTIZED_DTYPES else kv_dtype).itemsize
   ppb = functools.partial(gpu_pages_per_block, pages_per_block=pages_per_block, itemsize=itemsize)
   p = decode_prologue(
       "paged_attention_pallas_gpu", q, k_pages, page_table, lengths, num_queries, scale, ppb
@@ -571,6 +577,7 @@ def paged_attention_pallas_gpu(
       pages_per_block=p.pages_per_block,
       blocks_per_split=blocks_per_split,
       precision=precision,
+      kv_dtype=kv_dtype,
   )
   out_s, logits, lse_s = pl.pallas_call(
       kernel,
@@ -583,7 +590,13 @@ def paged_attention_pallas_gpu(
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="kvjax_paged_attention_gpu",
-  )(p.table.reshape(b, hkv, -1), p.lens.reshape(b, hkv), q_BxKxGpxD, k_pages, v_pages)
+  )(
+      p.table.reshape(b, hkv, -1),
+      p.lens.reshape(b, hkv),
+      q_BxKxGpxD,
+      *jax.tree.leaves(k_pages),
+      *jax.tree.leaves(v_pages),
+  )
 
   # Combine the splits (flash-decoding): weights exp(lse_s - lse); empty splits weigh 0.
   out_s, lse_s = out_s[..., :g, :], lse_s[..., :g]  # [B, Hkv, splits, G, D], [.., G]

@@ -34,10 +34,13 @@ NEW_TOKENS = 8
 
 
 def spec_for(policy: str) -> kvjax.CompressionSpec:
-  """POLICY, or POLICY+SHARING (e.g. h2o+layer: AdaKV's budget shared across kv heads).
-  16-token prefill chunks: a prompt takes several chunks, evicting between them."""
+  """POLICY, or POLICY+SHARING (e.g. h2o+layer: AdaKV's budget shared across kv heads),
+  either with :KV_DTYPE (e.g. h2o:int8, quantized pages). 16-token prefill chunks: a prompt
+  takes several chunks, evicting between them."""
+  policy, _, kv_dtype = policy.partition(":")
+  kv_dtype = kv_dtype or None
   if policy == "full":
-    return kvjax.CompressionSpec(prefill_chunk=16)
+    return kvjax.CompressionSpec(prefill_chunk=16, kv_dtype=kv_dtype)
   name, _, sharing = policy.partition("+")
   if name == "learned":  # a random scorer made for the tiny model
     rng = np.random.default_rng(0)
@@ -47,7 +50,12 @@ def spec_for(policy: str) -> kvjax.CompressionSpec:
     )
     name = policies.Learned(scorer=scorer)
   return kvjax.CompressionSpec(
-      policy=name, budget=24, page_size=8, head_budget=sharing or None, prefill_chunk=16
+      policy=name,
+      budget=24,
+      page_size=8,
+      head_budget=sharing or None,
+      prefill_chunk=16,
+      kv_dtype=kv_dtype,
   )
 
 
@@ -94,8 +102,9 @@ def main():
                 # One page of every pool array (K, V, slots): each shard has a null page.
                 "one_page_bytes": sum(
                     x.nbytes // x.shape[0]
-                    for x in [ref_state.cache.k_pages, ref_state.cache.v_pages]
-                    + list(ref_state.cache.slots.values())
+                    for x in jax.tree.leaves(
+                        [ref_state.cache.k_pages, ref_state.cache.v_pages, ref_state.cache.slots]
+                    )
                 ),
             }
         ),

@@ -29,7 +29,7 @@ def test_defaults_fill_threshold_and_group_size():
         (dict(threshold=32), "needs a budget"),
         (dict(group_size=4, page_size=16), "group_size must be 1 or page_size=16"),
         (dict(group_reduce="median"), "group_reduce"),
-        (dict(dtype="int8"), "dtype"),
+        (dict(dtype="int2"), "dtype"),
         (dict(num_pages=1), "num_pages must be an int >= 2"),
     ],
 )

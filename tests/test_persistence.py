@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -31,6 +32,9 @@ SPECS = {
     "full": kvjax.CompressionSpec(),
     "h2o": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2),
     "kvzip": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2),
+    # Quantized pages: codes and scales are saved as they are, and load as they were.
+    "h2o-int8": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2, kv_dtype="int8"),
+    "kvzip-int4": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2, kv_dtype="int4"),
 }
 # The model both processes build: same seed, same weights.
 MODEL = dict(max_context=512, qk_scale=20.0)
@@ -47,6 +51,11 @@ def states(model):
   return {name: kvjax.prefill(model, [CONTEXT], spec) for name, spec in SPECS.items()}
 
 
+def info_dtype(state):
+  """The K/V dtype a state's spec asked for (the model's float32 by default)."""
+  return state.plan.spec.kv_dtype or "float32"
+
+
 def _one_line_error(err: pytest.ExceptionInfo, *words: str):
   message = str(err.value)
   assert "\n" not in message, message
@@ -61,6 +70,9 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
     assert_cache_invariants(loaded.cache)
     assert loaded.plan == state.plan and loaded.cache.num_pages == state.cache.num_pages
     assert loaded.kv_bytes() == state.kv_bytes()
+    assert loaded.cache.kv_dtype == state.cache.kv_dtype == info_dtype(state)
+    for a, b in zip(jax.tree.leaves(loaded.cache.k_pages), jax.tree.leaves(state.cache.k_pages)):
+      assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(loaded.logits, state.logits)
     np.testing.assert_array_equal(loaded.cache.length, state.cache.length)
     info = kvjax.state_info(path)
@@ -69,7 +81,10 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
     assert info["cache"]["live_pages"] == live < state.cache.num_pages - 1
     # Only the live pages are written: the K/V arrays on disk hold `live` pages.
     arrays = persistence._read_arrays(persistence.current_version(path), info)
-    assert arrays["k_pages"].shape == (live, *state.cache.k_pages.shape[1:])
+    saved_k = [x for key, x in arrays.items() if key.split(".")[0] == "k_pages"]
+    assert [x.shape for x in saved_k] == [
+        (live, *x.shape[1:]) for x in jax.tree.leaves(state.cache.k_pages)
+    ]
     # Each sequence's live tokens, in order, are the saved state's.
     for layer, row, head in [(0, 0, 0), (1, 0, 1)]:
       for a, b in zip(
@@ -77,6 +92,18 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
           kvjax.read_sequence(state.cache, layer, row, head),
       ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_loads_with_its_own_kv_dtype_and_refuses_another(model, states, tmp_path):
+  path = kvjax.save_state(tmp_path / "int8", states["h2o-int8"], model)
+  assert kvjax.load_state(path, model, kv_dtype="int8").cache.kv_dtype == "int8"
+  with pytest.raises(kvjax.StateFileError) as err:
+    kvjax.load_state(path, model, kv_dtype="float32")
+  _one_line_error(err, "int8", "kv_dtype='float32'", "saved with")
+  with pytest.raises(ValueError, match="kv_dtype must be one of"):
+    kvjax.load_state(path, model, kv_dtype="int3")
+  # On disk: the codes and float16 scales, about a third of float32's bytes at head_dim 8.
+  assert kvjax.state_info(path)["cache"]["kv_dtype"] == "int8"
 
 
 def test_a_compressed_state_takes_its_share_of_the_full_cache_on_disk(model, states, tmp_path):
@@ -484,8 +511,14 @@ def test_a_first_save_killed_anywhere_leaves_a_directory_the_next_save_uses(
   try:
     for i, point in enumerate(leftovers):
       procs[point] = subprocess.Popen(
-          [sys.executable, "-c", _FIRST_SAVE_KILLED, json.dumps(MODEL),
-           str(tmp_path / f"killed{i}"), point],
+          [
+              sys.executable,
+              "-c",
+              _FIRST_SAVE_KILLED,
+              json.dumps(MODEL),
+              str(tmp_path / f"killed{i}"),
+              point,
+          ],
           stdin=subprocess.PIPE,
           stdout=subprocess.PIPE,
           stderr=logs[i],
@@ -585,7 +618,7 @@ def _two_writers_and_a_reader(model, states, tmp_path, seconds: float) -> dict:
     for name, state in [*states.items(), ("h2o, other key", other)]:
       sources[name] = kvjax.save_state(tmp_path / "sources" / name, state, model)
     expected = {_whole(kvjax.load_state(p, model)): name for name, p in sources.items()}
-    assert len(expected) == 4
+    assert len(expected) == len(states) + 1
     kvjax.save_state(target, states["full"], model)
     given = {"writer": [str(sources["kvzip"]), str(sources["h2o, other key"])], "reader": expected}
     for role, proc in procs.items():

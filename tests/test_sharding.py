@@ -33,8 +33,10 @@ DEFAULT_CASES = [
     "kvzip@data=1,model=2",
     "snapkv+layer@data=1,model=2",
     "learned@data=1,model=2",
+    "h2o:int8@data=2,model=2",  # quantized pages: codes and scales sharded with their tokens
 ]
 SLOW_CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES if f"{p}@{m}" not in DEFAULT_CASES]
+SLOW_CASES += ["kvzip:int4@data=2,model=2", "full:int8@data=1,model=2"]
 CASES = [*DEFAULT_CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)]
 
 

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import kvjax
+from pallas_kernels.page_format import token_bytes
 from kvjax import cli
 from kvjax.allocation import HeadAllocation
 from kvjax.eval import fidelity
@@ -221,7 +222,7 @@ def test_accuracy_helpers_refuse_bad_values(call, message):
     call()
 
 
-def _tiny_tune(model, tokenizer, target, *, items, steps):
+def _tiny_tune(model, tokenizer, target, *, items, steps, **options):
   """`tune` on random ids with the tiny model, kvzip only, quietly."""
   return tune(
       model,
@@ -234,7 +235,35 @@ def _tiny_tune(model, tokenizer, target, *, items, steps):
       max_items=items,
       steps=steps,
       progress=None,
+      **options,
   )
+
+
+def test_quantized_pages_are_chosen_where_they_hold_fewer_bytes(model, tokenizer, tmp_path):
+  """The chosen setting is tried with int8 pages at budgets up to where they would hold
+  as much as the float setting; the least bytes meeting the target wins, written to the
+  tuned spec."""
+  result = _tiny_tune(model, tokenizer, "kl=0.05", items=6, steps=2, kv_dtypes=("int8",))
+  assert result.reachable
+  floats = [p for p in result.points if p.spec.kv_dtype is None and tune_target_met(result, p)]
+  int8 = [p for p in result.points if p.spec.kv_dtype == "int8"]
+  assert int8 and all(p.spec.policy.name == "kvzip" for p in int8)
+  best_float = min(p.measured.kv_bytes for p in floats)
+  # Budgets tried in int8 start at the float setting's and stay where they could be cheaper.
+  cheaper = token_bytes(8, "float32") / token_bytes(8, "int8")  # head_dim 8: 32 / 12 bytes
+  assert all(p.spec.budget < cheaper * max(q.spec.budget for q in floats) for p in int8)
+  if result.spec.kv_dtype == "int8":
+    assert result.chosen.measured.kv_bytes < best_float
+    assert "int8 pages" in result.why
+  else:  # no int8 budget both met the target and held less
+    assert not any(tune_target_met(result, p) and p.measured.kv_bytes < best_float for p in int8)
+  record = json.loads(result.write(tmp_path, plot=False).read_text())
+  assert record["spec"].get("kv_dtype") == result.spec.kv_dtype
+  assert load_spec(tmp_path / "tuned.json", model).kv_dtype == result.spec.kv_dtype
+
+
+def tune_target_met(result, point):
+  return result.target.meets(point)
 
 
 def test_a_memory_target_is_respected_in_whole_pages(model, tokenizer, tmp_path):

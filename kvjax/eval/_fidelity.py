@@ -13,8 +13,9 @@ from kvjax.spec import CompressionSpec
 
 
 def full_cache_spec(spec: CompressionSpec) -> CompressionSpec:
-  """The full cache with the same layout and kernels as `spec` (the reference)."""
-  return spec.full_cache()
+  """The reference: the full cache with the same layout and kernels as `spec`, its K/V in
+  the model's own dtype (so a quantized or bfloat16 cache is judged with what it loses)."""
+  return spec.full_cache().replace(kv_dtype=None)
 
 
 def continuation_logits(

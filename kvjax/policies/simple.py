@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import logical_view
+from kvjax.cache import logical_view, read_pages
 from kvjax.policies.base import Policy
 from kvjax.sharding import shard_key
 
@@ -43,7 +43,7 @@ class KeyNorm(Policy):
   def scores(self, cache, key):
     # Norms over the pool, then their logical order: gathering [P, S] scalars instead of
     # every cached key's [D] row.
-    return -logical_view(cache, jnp.linalg.norm(cache.k_pages.astype(jnp.float32), axis=-1))
+    return -logical_view(cache, jnp.linalg.norm(read_pages(cache.k_pages), axis=-1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,12 @@ the full cache's answer), split into a tuning part and a held-out part. On the t
    learn_allocation`: offsets per layer and kv head through a soft, annealed keep-mask,
    minimising KL to the full cache at the budget), trained on one half of the tuning items
    and judged on the other, and the smallest budget that meets the target with it, in
-   whole pages; page sizes are compared on the kept counts.
+   whole pages; page sizes are compared on the kept counts;
+3. the chosen setting with quantized K/V pages (`kv_dtypes`, int8 and int4): a quantized
+   token takes a fraction of the bytes, so a larger budget in int8 may hold less than the
+   float setting; each dtype's smallest budget meeting the target is measured by real runs
+   (quantization changes what attention reads: the relaxation cannot see it), and kept
+   where it holds fewer bytes.
 
 The chosen setting is the one that meets the target with the least memory (or, for a memory
 target, the lowest KL within it). The held-out part then checks the chosen setting and the
@@ -38,6 +43,7 @@ from kvjax.fingerprint import model_fingerprint
 from kvjax.seam import ModelShape
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _search
+from pallas_kernels.page_format import QUANTIZED_DTYPES, token_bytes
 from kvjax.tuning._spec_file import FORMAT, load_spec, spec_record
 from kvjax.tuning._workload import question_items, split, text_items
 from kvjax._checks import check_int
@@ -142,6 +148,7 @@ class Point:
         "budget": self.spec.budget,
         "head_budget": self.spec.sharing,
         "page_size": self.spec.page_size,
+        "kv_dtype": self.spec.kv_dtype,
         "learned_allocation": self.learned,
         "kl": round(m.kl, 6),
         "kl_se": round(m.kl_se, 6),
@@ -238,6 +245,7 @@ def tune(
     held_out: float = 0.34,
     steps: int = 40,
     page_sizes: Sequence[int] = (8, 16, 32),
+    kv_dtypes: Sequence[str] = ("int8", "int4"),
     progress: Callable[[str], None] | None = print,
 ) -> TuneResult:
   """Chooses a `CompressionSpec` for a workload sample (see the module docstring).
@@ -250,7 +258,11 @@ def tune(
     context_tokens, continuation_tokens, max_items: text windows, evenly spread.
     held_out: share of the items kept for the final check.
     steps: optax steps of each half's allocation.
+    kv_dtypes: quantized K/V dtypes to try the chosen setting with (() for none).
   """
+  for kv_dtype in kv_dtypes:
+    if kv_dtype not in QUANTIZED_DTYPES:
+      raise ValueError(f"kv_dtypes must hold some of {QUANTIZED_DTYPES}, got {kv_dtype!r}")
   started = time.perf_counter()
   say = progress or (lambda _: None)
   target = parse_target(target) if isinstance(target, str) else target
@@ -295,9 +307,21 @@ def tune(
         f"{chosen.spec.budget}, KL {chosen.measured.kl:.4f}); the target is not reachable "
         "with these policies: the closest setting is written, marked unreachable"
     )
+  # 3. The chosen setting with quantized pages, where it holds less.
+  if reachable and kv_dtypes:
+    quantized_started = time.perf_counter()
+    quantized = search.quantized_setting(chosen, kv_dtypes, tune_idx[:8])
+    timing["kv_dtype_s"] = round(time.perf_counter() - quantized_started, 1)
+    if quantized is not None:
+      chosen = quantized
+      why += (
+          f"; stored as {quantized.spec.kv_dtype} pages it meets {target} at budget "
+          f"{quantized.spec.budget} in {quantized.measured.kv_bytes / 2**20:.2f} MiB (real runs "
+          f"on {quantized.items} items)"
+      )
   say(why)
 
-  # 3. The held-out check, with the real pipeline.
+  # 4. The held-out check, with the real pipeline.
   check_started = time.perf_counter()
   held = search.held_out_check(chosen.spec, baseline, list(range(len(tune_items), len(items))))
   timing["held_out_s"] = round(time.perf_counter() - check_started, 1)
@@ -393,7 +417,8 @@ class _Search:
     self.tried: list[Point] = []
 
   def measure(self, spec, index, learned=False, judge=None) -> Point:
-    if spec.once:
+    # The relaxation scores float K/V: quantized pages are measured by real runs.
+    if spec.once and (spec.kv_dtype or "float32") not in QUANTIZED_DTYPES:
       m = _search.evaluate_once(self.model, self.cal, spec, index, judge)
     else:
       m = _search.evaluate_running(self.model, self.cal, spec, index, self.tokenizer)
@@ -402,7 +427,9 @@ class _Search:
     point = Point(spec, m, accuracy, learned, len(index))
     self.tried.append(point)
     self.say(
-        f"  {spec.policy.name} budget {spec.budget} {'learned' if learned else spec.sharing}: "
+        f"  {spec.policy.name} budget {spec.budget} {'learned' if learned else spec.sharing}"
+        + (f" {spec.kv_dtype}" if spec.kv_dtype else "")
+        + ": "
         f"KL {m.kl:.4f}, {m.kv_bytes / 2**20:.2f} MiB"
         + ("" if accuracy is None else f", accuracy {accuracy:.2f}")
     )
@@ -508,6 +535,35 @@ class _Search:
       candidate = self.measure(spec, index, point.learned, judge)
       if self.target.meets(candidate) and _better(candidate, best, self.target):
         best = candidate
+    return best
+
+  def quantized_setting(self, chosen: Point, kv_dtypes, index) -> Point | None:
+    """`chosen`'s policy, allocation and page size with K/V stored as each of `kv_dtypes`:
+    budgets from the chosen one upwards while they could hold fewer bytes than the chosen
+    setting, measured by real runs on `index`; the best point meeting the target that
+    beats `chosen` (None: none does). Quantized pages lose a little quality at the same
+    budget, so no smaller budget is tried."""
+    shape, spec = self.cal.shape, chosen.spec
+    float_bytes = token_bytes(shape.head_dim, spec.kv_dtype or shape.dtype)
+    best = None
+    for kv_dtype in kv_dtypes:
+      cheaper = float_bytes / token_bytes(shape.head_dim, kv_dtype)
+      budgets = [spec.budget] + [
+          rho for rho in self.grid if spec.budget < rho < spec.budget * cheaper
+      ]
+      self.say(f"{spec.policy.name} with {kv_dtype} pages: budgets {budgets}")
+      for rho in budgets:
+        candidate = _spec_or_none(
+            lambda rho, kv=kv_dtype: spec.replace(budget=rho, kv_dtype=kv), rho, self.lengths
+        )
+        if candidate is None:
+          continue
+        point = self.measure(candidate, index, chosen.learned)
+        meets = self.target.meets(point)
+        if meets and _better(point, best or chosen, self.target):
+          best = point
+        if meets != (self.target.metric == "memory"):  # quality: the first that meets
+          break
     return best
 
   def held_out_check(self, spec, baseline: Point | None, held_idx) -> dict:

@@ -21,6 +21,7 @@ from kvjax.sizing import held_pages_bound
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _relax
 from kvjax.tuning._workload import Item
+from pallas_kernels.page_format import token_bytes
 
 Progress = Callable[[str], None]
 
@@ -202,8 +203,8 @@ def _standard_error(values) -> float:
 
 
 def _page_bytes(cal: Calibration, spec: CompressionSpec) -> int:
-  dtype = np.dtype(spec.kv_dtype or cal.shape.dtype)
-  return 2 * spec.page_size * cal.shape.head_dim * dtype.itemsize
+  kv_dtype = spec.kv_dtype or cal.shape.dtype
+  return 2 * spec.page_size * token_bytes(cal.shape.head_dim, kv_dtype)
 
 
 def _bytes_bound(cal: Calibration, spec: CompressionSpec, index) -> int:

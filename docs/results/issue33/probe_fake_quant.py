@@ -10,7 +10,8 @@ shipped text, 64 continuation tokens each.
 A variant names the keys' and the values' bits and grouping: `c` per channel over a page's
 16 tokens, `t` per token over the 64 channels, `s` per token after dividing each channel by
 its absolute maximum over the chunk ("smoothed"; one factor per sequence and channel), `g`
-smoothed and per token in groups of 16 channels. Decode steps (one token) are grouped per
+smoothed and per token in groups of 16 channels, `h` / `q` per token in groups of 16 / 32
+channels, not smoothed. Decode steps (one token) are grouped per
 token whatever the variant: the continuation's 64 tokens are a small share of the 2112.
 """
 
@@ -27,7 +28,7 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 import models  # noqa: E402
 from kvjax import cache as C  # noqa: E402
-from kvjax import page_format as pf  # noqa: E402
+from pallas_kernels import page_format as pf  # noqa: E402
 from kvjax import seam  # noqa: E402
 from kvjax.eval import _data  # noqa: E402
 from kvjax.eval._fidelity import continuation_logits, fidelity  # noqa: E402
@@ -52,6 +53,8 @@ def fake(x, bits, group, ps=16):  # x [B, T, H, D]
     c = jnp.abs(x).max(axis=1, keepdims=True) + 1e-6
     y = (x / c).reshape(b, t, h, d // 16, 16)
     return pf.dequantize(pf.quantize(y, bits, 4), 4).reshape(b, t, h, d) * c
+  if group in "hq":  # per token in groups of 16 (h) or 32 (q) channels, not smoothed
+    return pf.dequantize_tokens(pf.quantize_tokens(x, bits, 16 if group == "h" else 32), 16 if group == "h" else 32)
   if group == "t":  # per token over D
     return pf.dequantize(pf.quantize(x, bits, 3), 3)
   if t % ps:  # decode steps (T=1): a page's channel group is not known here; per token
