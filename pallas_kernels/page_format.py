@@ -20,8 +20,8 @@ Why per token and not per channel over a page's tokens (KIVI's keys): token evic
 single tokens out of pages, and a per-channel group would have to be re-quantized at every
 eviction event; `docs/results/issue33` measured the groupings (int8 per token: KL 0.0004 on
 the full cache; int4 in groups of 16 channels: 0.031, against 0.10 for one group per token).
-A kernel unpacks int4 bytes with a mask, a shift and a stack along the last axis (Triton
-lowers no concatenation, and stacks only along the last axis).
+Unpacking repeats each byte and shifts every other lane by 4: one elementwise pass that
+XLA, Mosaic and Triton all lower (Triton lowers no concatenation).
 
 Scales are float16: a token's group of 64 int8 codes carries 4 bytes of scale and zero
 (6 %), a group of 16 int4 codes 4 bytes (50 %); float16's 11-bit significand puts the zero
@@ -259,8 +259,11 @@ def unpack(stored: UInt8[Array, "..."], bits: int) -> UInt8[Array, "... D"]:
   """The codes `pack` stored."""
   if bits == 8:
     return stored
-  pairs = jnp.stack([stored & 0xF, stored >> 4], axis=-1)  # [..., W, 2]
-  return pairs.reshape(*stored.shape[:-1], 2 * stored.shape[-1])
+  # Each byte twice, then shifted by 0 or 4 per lane: one elementwise pass (2x faster in a
+  # CPU decode step than stacking the two nibbles, which XLA lowers as an interleave).
+  twice = jnp.repeat(stored, 2, axis=-1)  # [..., D]
+  shift = (jnp.arange(twice.shape[-1], dtype=jnp.uint8) % 2) * 4
+  return (twice >> shift) & 0xF
 
 
 def nbytes(pool: Pool) -> int:

@@ -309,6 +309,7 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
       "ppl",
       "ppl_full",
       "kept_fraction",
+      "kv_bytes",
       "peak_kv_bytes",
       "cases",
       "failed",

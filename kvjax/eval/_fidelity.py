@@ -89,8 +89,9 @@ def fidelity(
   The context is prefilled with compression; the continuation is then fed teacher-forced
   (decode-time eviction applies). Over the continuation predictions (including the first,
   from the last context position) returns `kl` = mean KL(P_full || P_compressed) in nats,
-  `top1` agreement, `ppl_full` and `ppl` of the continuation tokens, `peak_kv_bytes` and
-  `kept_fraction` (see `continuation_logits`).
+  `top1` agreement, `ppl_full` and `ppl` of the continuation tokens, `peak_kv_bytes`,
+  `kept_fraction` and `kv_bytes` (held once the context is read, scales included; see
+  `continuation_logits`).
   Pass `reference_logits` (from `continuation_logits` with the full cache) to reuse them.
   """
   if len(context_ids) < 1 or len(continuation_ids) < 1:
@@ -109,4 +110,5 @@ def fidelity(
   result = compare_predictions(reference_logits, logits, np.asarray(continuation_ids))
   result["peak_kv_bytes"] = peak
   result["kept_fraction"] = kept["kept_fraction"]
+  result["kv_bytes"] = kept["kv_bytes"]
   return result

@@ -18,7 +18,7 @@ from kvjax.seam import model_record
 SCHEMA = "kvjax-results/1"
 
 METRICS = {
-    "fidelity": ("kl", "top1", "ppl", "ppl_full", "kept_fraction", "peak_kv_bytes"),
+    "fidelity": ("kl", "top1", "ppl", "ppl_full", "kept_fraction", "kv_bytes", "peak_kv_bytes"),
     "passkey": ("accuracy", "correct", "peak_kv_bytes"),
     "multi_question": ("accuracy", "correct", "questions", "peak_kv_bytes"),
     "perplexity": ("ppl", "ppl_full", "peak_kv_bytes"),

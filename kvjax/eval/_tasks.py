@@ -551,6 +551,7 @@ def windowed_fidelity(
       "ppl": pooled("ppl"),
       "ppl_full": pooled("ppl_full"),
       "kept_fraction": mean("kept_fraction"),
+      "kv_bytes": mean("kv_bytes"),
       "peak_kv_bytes": max((r["peak_kv_bytes"] for r in done), default=None),
       "cases": len(pairs),
       "failed": len(errors),
