@@ -54,7 +54,9 @@ def fake(x, bits, group, ps=16):  # x [B, T, H, D]
     y = (x / c).reshape(b, t, h, d // 16, 16)
     return pf.dequantize(pf.quantize(y, bits, 4), 4).reshape(b, t, h, d) * c
   if group in "hq":  # per token in groups of 16 (h) or 32 (q) channels, not smoothed
-    return pf.dequantize_tokens(pf.quantize_tokens(x, bits, 16 if group == "h" else 32), 16 if group == "h" else 32)
+    return pf.dequantize_tokens(
+        pf.quantize_tokens(x, bits, 16 if group == "h" else 32), 16 if group == "h" else 32
+    )
   if group == "t":  # per token over D
     return pf.dequantize(pf.quantize(x, bits, 3), 3)
   if t % ps:  # decode steps (T=1): a page's channel group is not known here; per token
