@@ -66,34 +66,26 @@ def reference(args):
   return kh.jitted(pa.paged_attention, impl="ref", return_lse=True)(*args)
 
 
+# The TPU kernel (TPU interpreter) and the GPU variant (generic interpreter).
+KERNELS = {
+    "tpu": lambda: (pa.paged_attention_pallas, kh.kernel_interpret()),
+    "gpu": lambda: (pa.paged_attention_pallas_gpu, kh.gpu_interpret()),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(NAMES, CASES)
-def test_tpu_kernel_dequantizes_like_the_reference(
-    page_size, group, head_dim, length_kind, dtype, pages_per_block, kv_dtype
+def test_kernels_dequantize_like_the_reference(
+    kernel, page_size, group, head_dim, length_kind, dtype, pages_per_block, kv_dtype
 ):
-  args, floats = problem(page_size, group, head_dim, length_kind, dtype, kv_dtype)
-  got = kh.jitted(
-      pa.paged_attention_pallas,
-      interpret=kh.kernel_interpret(),
-      pages_per_block=pages_per_block,
-      return_lse=True,
-  )(*args)
+  args, floats = problem(page_size, group, head_dim, length_kind, dtype, kv_dtype, kernel)
+  fn, interpret = KERNELS[kernel]()
+  got = kh.jitted(fn, interpret=interpret, pages_per_block=pages_per_block, return_lse=True)(
+      *args
+  )
   assert_matches(got, reference(floats), dtype)
   # The reference reads quantized pools itself, to the same values.
   assert_matches(reference(args), reference(floats), "float32")
-
-
-@pytest.mark.parametrize(NAMES, CASES)
-def test_gpu_kernel_dequantizes_like_the_reference(
-    page_size, group, head_dim, length_kind, dtype, pages_per_block, kv_dtype
-):
-  args, floats = problem(page_size, group, head_dim, length_kind, dtype, kv_dtype, "gpu")
-  got = kh.jitted(
-      pa.paged_attention_pallas_gpu,
-      interpret=kh.gpu_interpret(),
-      pages_per_block=pages_per_block,
-      return_lse=True,
-  )(*args)
-  assert_matches(got, reference(floats), dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -70,7 +70,9 @@ def sharded_runs():
 def test_sharded_generation_matches_one_device(sharded_runs, case):
   run = sharded_runs(case)
   assert run["same_tokens"], run
-  assert run["max_logit_diff"] <= 1e-5, run
+  # Quantized pages: a key that differs by an ulp (GSPMD sums in another order) can round to
+  # the next code, a step of its group's range, so the logits agree less closely.
+  assert run["max_logit_diff"] <= (1e-4 if ":int" in case else 1e-5), run
   assert run["kv_bytes"][0] == run["kv_bytes"][1]  # the same tokens kept, in total
 
 

@@ -424,7 +424,10 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
   results = json.loads((tmp_path / "eval" / "results.json").read_text())
   rows = {r["policy"]: r for r in results["rows"]}
   assert set(rows) == {"full", "kvzip"} and all(r["failed"] == 0 for r in rows.values())
-  assert rows["kvzip"]["budget"] == tuned.budget and rows["full"]["metrics"]["kl"] == 0.0
+  assert rows["kvzip"]["budget"] == tuned.budget
+  # The full cache in the tuned K/V dtype, against the model's own: exact unless quantized.
+  full_kl = rows["full"]["metrics"]["kl"]
+  assert full_kl == 0.0 if tuned.kv_dtype in (None, "float32") else full_kl > 0.0
   assert results["config"]["spec"]["page_size"] == tuned.page_size
 
 
