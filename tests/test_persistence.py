@@ -32,9 +32,9 @@ SPECS = {
     "full": kvjax.CompressionSpec(),
     "h2o": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2),
     "kvzip": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2),
-    # Quantized pages: codes and scales are saved as they are, and load as they were.
+    # Quantized pages: codes and scales are saved as they are, and load as they were (int4
+    # pages are the same arrays with another kv_dtype; kept out to bound the suite's time).
     "h2o-int8": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2, kv_dtype="int8"),
-    "kvzip-int4": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2, kv_dtype="int4"),
 }
 # The model both processes build: same seed, same weights.
 MODEL = dict(max_context=512, qk_scale=20.0)

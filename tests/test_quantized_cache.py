@@ -103,7 +103,12 @@ def model():
 
 
 @pytest.mark.parametrize(
-    "policy, budget", [("full", None), ("h2o", 48), ("knorm", 48), ("kvzip", 0.25), ("tova", 48)]
+    "policy, budget",
+    [
+        ("full", None),
+        ("kvzip", 0.25),
+        *(pytest.param(p, 48, marks=pytest.mark.slow) for p in ("h2o", "knorm", "tova")),
+    ],
 )
 def test_the_session_decodes_from_quantized_pages_close_to_float(model, policy, budget):
   """Prefill (several chunks), extend and decode with int8 and int4 pages under each policy:

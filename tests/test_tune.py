@@ -223,7 +223,9 @@ def test_accuracy_helpers_refuse_bad_values(call, message):
 
 
 def _tiny_tune(model, tokenizer, target, *, items, steps, **options):
-  """`tune` on random ids with the tiny model, kvzip only, quietly."""
+  """`tune` on random ids with the tiny model, kvzip only, quietly; float pages only unless
+  `kv_dtypes` is given (the quantized step runs real prefills: its own test)."""
+  options.setdefault("kv_dtypes", ())
   return tune(
       model,
       tokenizer,
