@@ -321,17 +321,18 @@ def _live_arrays(state: State) -> dict[str, np.ndarray]:
 def _pool_arrays(name: str, pool) -> dict[str, np.ndarray]:
   """A K or V pool's arrays by name: `name` for floats; `name.codes`, `name.scale` and
   `name.zero` for quantized pages (saved as they are: a state loads as it was saved)."""
-  if isinstance(pool, page_format.QuantizedPages):
-    return {f"{name}.{part}": getattr(pool, part) for part in ("codes", "scale", "zero")}
-  return {name: pool}
+  return {_array_name(name, part): x for part, x in page_format.parts(pool).items()}
 
 
 def _saved_pool(arrays: dict, name: str, kv_dtype: str, rebuild):
   """The pool `_pool_arrays` saved, each array through `rebuild` (re-laid out to size)."""
-  if kv_dtype in page_format.QUANTIZED_DTYPES:
-    parts = {part: rebuild(arrays[f"{name}.{part}"]) for part in ("codes", "scale", "zero")}
-    return page_format.QuantizedPages(**parts, kv_dtype=kv_dtype)
-  return rebuild(arrays[name])
+  names = page_format.part_names(kv_dtype)
+  return page_format.from_parts([rebuild(arrays[_array_name(name, p)]) for p in names], kv_dtype)
+
+
+def _array_name(pool: str, part: str) -> str:
+  """A pool's array on disk: a float pool under its own name (as before quantized pages)."""
+  return pool if part == "values" else f"{pool}.{part}"
 
 
 def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:

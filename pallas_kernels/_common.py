@@ -271,13 +271,13 @@ def paged_kv_specs(pool, num_kv_heads, pages_per_table, pages_per_block):
 
     return pl.BlockSpec((None, page_size, width), index_map)
 
-  leaves = jax.tree.leaves(pool)
-  return [spec(j, x.shape[-1]) for j in range(pages_per_block) for x in leaves]
+  arrays = page_format.parts(pool).values()
+  return [spec(j, x.shape[-1]) for j in range(pages_per_block) for x in arrays]
 
 
 def pool_operands(pool, pages_per_block: int) -> list:
   """The operands `paged_kv_specs` describes: the pool's arrays, once per page of a block."""
-  return jax.tree.leaves(pool) * pages_per_block
+  return list(page_format.parts(pool).values()) * pages_per_block
 
 
 def last_live_block(b, h, i, lengths_ref, num_kv_heads, block_tokens):
@@ -345,18 +345,15 @@ def paged_pallas_call(
 
 
 def load_pages(refs, kv_dtype: str, index=..., dtype=jnp.float32):
-  """In a kernel: the values [.., D] of page refs (one float ref, or a quantized page's
-  codes, scale and zero refs) at `index`, as `dtype` (dequantized)."""
-  if kv_dtype in page_format.QUANTIZED_DTYPES:
-    codes, scale, zero = (r[index] for r in refs)
-    return page_format.decode(page_format.QuantizedPages(codes, scale, zero, kv_dtype), dtype)
-  (ref,) = refs
-  return ref[index].astype(dtype)
+  """In a kernel: the values [.., D] of page refs (one per array of the pool,
+  `page_format.parts` order) at `index`, as `dtype` (dequantized)."""
+  stored = page_format.from_parts([r[index] for r in refs], kv_dtype)
+  return page_format.decode(stored, dtype)
 
 
 def leaves_per_pool(kv_dtype: str) -> int:
   """Arrays in one pool: a float array, or codes, scale and zero."""
-  return 3 if kv_dtype in page_format.QUANTIZED_DTYPES else 1
+  return len(page_format.part_names(kv_dtype))
 
 
 def dot(a, b, contract, precision=jax.lax.Precision.HIGHEST):

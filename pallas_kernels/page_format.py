@@ -124,6 +124,28 @@ def token_bytes(head_dim: int, kv_dtype: str) -> int:
   return head_dim * bits_of(kv_dtype) // 8 + 2 * groups * itemsize
 
 
+def parts(pool: Pool) -> dict[str, Array]:
+  """A pool's arrays by name, in the order kernels take them as operands: the float array
+  as `values`; a quantized pool's `codes`, `scale` and `zero`."""
+  if isinstance(pool, QuantizedPages):
+    return {"codes": pool.codes, "scale": pool.scale, "zero": pool.zero}
+  return {"values": pool}
+
+
+def from_parts(arrays, kv_dtype: str) -> Pool:
+  """The pool of `parts` (a dict by name, or its values in order: e.g. a kernel's refs)."""
+  arrays = list(arrays.values()) if isinstance(arrays, dict) else list(arrays)
+  if kv_dtype in QUANTIZED_DTYPES:
+    return QuantizedPages(*arrays, kv_dtype)
+  (values,) = arrays
+  return values
+
+
+def part_names(kv_dtype: str) -> tuple[str, ...]:
+  """The names `parts` gives a pool of `kv_dtype`."""
+  return ("codes", "scale", "zero") if kv_dtype in QUANTIZED_DTYPES else ("values",)
+
+
 def check_kv_dtype(name: str, kv_dtype) -> None:
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"{name} must be one of {KV_DTYPES}, got {kv_dtype!r}")

@@ -594,8 +594,8 @@ def paged_attention_pallas_gpu(
       p.table.reshape(b, hkv, -1),
       p.lens.reshape(b, hkv),
       q_BxKxGpxD,
-      *jax.tree.leaves(k_pages),
-      *jax.tree.leaves(v_pages),
+      *page_format.parts(k_pages).values(),
+      *page_format.parts(v_pages).values(),
   )
 
   # Combine the splits (flash-decoding): weights exp(lse_s - lse); empty splits weigh 0.

@@ -113,6 +113,16 @@ def test_write_then_read_gives_the_encoded_values_at_their_slots(kv_dtype):
   assert float(jnp.abs(untouched).max()) == 0.0
 
 
+@pytest.mark.parametrize("kv_dtype", pf.KV_DTYPES)
+def test_parts_name_a_pools_arrays_and_rebuild_it(kv_dtype):
+  pool = pf.empty_pool(3, 8, 32, kv_dtype)
+  parts = pf.parts(pool)
+  assert tuple(parts) == pf.part_names(kv_dtype)
+  rebuilt = pf.from_parts(parts, kv_dtype)
+  assert jax.tree.structure(rebuilt) == jax.tree.structure(pool)
+  assert pf.from_parts(list(parts.values()), kv_dtype).shape == pool.shape
+
+
 def test_bad_arguments_name_the_limit():
   with pytest.raises(ValueError, match="kv_dtype must be one of"):
     pf.bits_of("int2")

@@ -441,6 +441,7 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
         ({"text": "x", "policies": ("nope",)}, ValueError, "nope"),
         ({"text": "x", "policies": ("h2o",)}, ValueError, "no compress-once policy"),
         ({"text": "x", "target": 3}, TypeError, "target must be"),
+        ({"text": "x", "kv_dtypes": ("int3",)}, ValueError, "kv_dtypes must hold some of"),
         ({"text": "x", "target": "accuracy=0.9"}, ValueError, "needs question cases"),
         # 24 cases leave 16 to tune on; 0.95 needs 19 (16/17 < 0.95 <= 19/20).
         ({"cases": [{}] * 24, "target": "accuracy=0.95"}, ValueError, "at least 19 tuning items"),
