@@ -49,6 +49,9 @@ def _png_images(notebook):
         yield base64.b64decode(data["image/png"])
 
 
+# About three minutes (its first cell runs `kvjax doctor`'s self-check, test_doctor's own
+# subject): under -m slow, run before a change to the notebook or the APIs it calls lands.
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom_on_cpu():
   from nbclient import NotebookClient
 

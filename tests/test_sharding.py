@@ -30,7 +30,6 @@ MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
 DEFAULT_CASES = [
     *(f"{p}@data=2,model=2" for p in POLICIES),
     "h2o@data=4,model=1",
-    "kvzip@data=1,model=2",
     "snapkv+layer@data=1,model=2",
     "learned@data=1,model=2",
     "h2o:int8@data=2,model=2",  # quantized pages: codes and scales sharded with their tokens
