@@ -29,12 +29,10 @@ MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
 # keeps its own heads'.
 DEFAULT_CASES = [
     *(f"{p}@data=2,model=2" for p in POLICIES),
-    "h2o@data=4,model=1",
-    "snapkv+layer@data=1,model=2",
-    "learned@data=1,model=2",
     "h2o:int8@data=2,model=2",  # quantized pages: codes and scales sharded with their tokens
 ]
 SLOW_CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES if f"{p}@{m}" not in DEFAULT_CASES]
+SLOW_CASES += ["snapkv+layer@data=1,model=2", "learned@data=1,model=2"]
 SLOW_CASES += ["kvzip:int4@data=2,model=2", "full:int8@data=1,model=2"]
 CASES = [*DEFAULT_CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)]
 
