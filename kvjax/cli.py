@@ -91,7 +91,10 @@ def _add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str):
     if field.name == "policy":
       kwargs["metavar"] = "POLICY"
       names = ", ".join(_policy_names()) + (", or 'all'" if sweep else "")
-      kwargs["help"] = f"{meta['help']}; one of {names} (default: {'all' if sweep else default})"
+      kwargs["help"] = (
+          f"{meta['help']}; one of {names}, with options after a colon where it has any "
+          f"(kvzip:chunk=256) (default: {'all' if sweep else default})"
+      )
     elif field.name == "budget":
       kwargs["type"] = _budget
     elif isinstance(default, bool):
@@ -275,15 +278,20 @@ def _generate(args) -> int:
 
 
 # Request lengths per task when --context-tokens is not given (full run / --quick).
+# The hard cases by default: a short context and one the length of the default model's
+# window (fidelity's context leaves room for its 64 scored tokens in that window).
 _DEFAULT_LENGTHS = {
-    "fidelity": ([1024, 2048], [256]),
+    "fidelity": ([2048, 8128], [256]),
     "perplexity": ([2048], [256]),
-    "passkey": ([1024, 2048], [512]),
-    "multi_question": ([2048], [512]),
+    "passkey": ([2048, 8192], [512]),
+    "multi_question": ([2048, 8192], [512]),
     "retention": ([1024, 2048], [256]),
     "bench": ([512, 1024, 2048, 4096, 8192], [256]),
 }
 _QUICK_POLICIES = ["full", "streaming", "h2o"]
+# Kept fractions: compression ratios 0.5, 0.75, 0.875, 0.9 and 0.95.
+_DEFAULT_BUDGETS = [0.5, 0.25, 0.125, 0.1, 0.05]
+_DEFAULT_DEPTHS = [0.1, 0.25, 0.4, 0.55, 0.7, 0.85]  # x 4 trials: 24 cases per haystack
 
 
 def _evaluate(args) -> int:
@@ -300,7 +308,8 @@ def _evaluate(args) -> int:
     budgets = args.budget or [spec.budget]
   else:
     policies = args.policy or (_QUICK_POLICIES if quick else ["all"])
-    budgets = args.budget or ([0.5] if quick else [0.5, 0.25])
+    default_budgets = [0.5, 0.25] if task == "bench" else _DEFAULT_BUDGETS
+    budgets = args.budget or ([0.5] if quick else default_budgets)
   options = _eval_options(args, task, quick)
   _sweep.check_options(task, options)
   if any(n < 1 for n in lengths):
@@ -369,17 +378,18 @@ def _eval_options(args, task: str, quick: bool) -> dict:
     options["continuation_tokens"] = args.continuation_tokens or (
         16 if quick else default_continuation
     )
-    options["windows"] = args.windows or (1 if quick else 2)
-  if task in ("passkey", "retention"):
+    options["windows"] = args.windows or (1 if quick else 8)
+  if task == "retention":
     options["depths"] = args.depths or ([0.5] if quick else [0.1, 0.5, 0.9])
   if task == "passkey":
-    options["trials"] = args.trials or 1
+    options["depths"] = args.depths or ([0.5] if quick else _DEFAULT_DEPTHS)
+    options["trials"] = args.trials or (1 if quick else 4)
     if args.jsonl and args.fillers:
       raise ValueError("--fillers does not apply to --jsonl cases (their own contexts)")
     if not args.jsonl:
-      options["fillers"] = args.fillers or ["repeat"]
-    if args.text and "text" not in options["fillers"]:
-      raise ValueError("passkey takes --text only as the haystack of --fillers text")
+      options["fillers"] = args.fillers or (["repeat"] if quick else ["text", "needles"])
+    if args.text and not set(options["fillers"]) & {"text", "needles"}:
+      raise ValueError("passkey takes --text only as the haystack of --fillers text or needles")
   if task == "multi_question":
     options["facts"] = 4 if args.facts is None else args.facts
     options["trials"] = (1 if quick else 6) if args.trials is None else args.trials
@@ -400,7 +410,7 @@ def _eval_data(args, task: str, options: dict) -> tuple[list | None, str | None,
     if args.context_tokens:
       raise ValueError("--context-tokens does not apply to --jsonl cases (their own length)")
     data = {"kind": "jsonl", "source": args.jsonl}
-  elif task == "passkey" and "text" not in options["fillers"]:
+  elif task == "passkey" and not set(options["fillers"]) & {"text", "needles"}:
     data = {"kind": "synthetic passkey"}
   elif args.jsonl:
     text = "\n\n".join(r["text"] for r in _data.read_jsonl(args.jsonl, ("text",)))
@@ -444,7 +454,7 @@ def _add_eval_options(parser, task: str):
   )
   if task in ("fidelity", "perplexity"):
     parser.add_argument(
-        "--windows", type=int, default=None, help="text windows per length (default: 2; --quick: 1)"
+        "--windows", type=int, default=None, help="text windows per length (default: 8; --quick: 1)"
     )
     default_continuation = 64 if task == "fidelity" else 128
     parser.add_argument(
@@ -454,23 +464,28 @@ def _add_eval_options(parser, task: str):
         help=f"tokens scored after each window (default: {default_continuation}; --quick: 16)",
     )
   if task in ("passkey", "retention"):
+    depths = " ".join(map(str, _DEFAULT_DEPTHS if task == "passkey" else [0.1, 0.5, 0.9]))
     parser.add_argument(
         "--depths",
         nargs="+",
         type=float,
         default=None,
-        help="where the needle sits, fractions of the context (default: 0.1 0.5 0.9; --quick: 0.5)",
+        help=f"where the needle sits, fractions of the context (default: {depths}; --quick: 0.5)",
     )
   if task == "passkey":
     parser.add_argument(
-        "--trials", type=int, default=None, help="keys per filler and depth (default: 1)"
+        "--trials",
+        type=int,
+        default=None,
+        help="keys per filler and depth (default: 4; --quick: 1)",
     )
     parser.add_argument(
         "--fillers",
         nargs="+",
         default=None,
-        help="haystacks: 'repeat' (a synthetic sentence group, repeated) and/or 'text' (a "
-        "window of --text or the shipped text per case) (default: repeat)",
+        help="haystacks: 'repeat' (a synthetic sentence group, repeated), 'text' (a window of "
+        "--text or the shipped text per case) and/or 'needles' (such a window with a key per "
+        "door, three doors, one asked) (default: text needles; --quick: repeat)",
     )
   if task == "multi_question":
     parser.add_argument(

@@ -11,7 +11,8 @@ the null page, which keeps every gather in range (its contents are masked by `le
 Pages are not shared between sequences.
 
 Inside jit: `allocate` (append), `free` (eviction, truncation), `drop` (block eviction),
-`cut` (a shorter length), and the coordinates of logical slots (`slots`, `locate`,
+`cut` (a shorter length), `window` / `unwindow` (a view of some of each sequence's pages, to
+append to for a while), and the coordinates of logical slots (`slots`, `locate`,
 `token_slots`). On the host: `live`, `packed_table`, `free_stack`, `grown_free_stacks`
 and `compact_plan`, which re-lay a pool out. What lives in the pages (K/V and the per-slot
 arrays) is the cache's: these functions return page ids, and the cache gathers or resets
@@ -157,6 +158,26 @@ class PageTable:
     ).reshape(self.table.shape)
     length = self.length - evicted.sum(-1) * page_size
     return pages.replace(table=table, length=length), ids
+
+  def window(
+      self, entries: Int[Array, " W"], length: Int[Array, "L B H"], width: int
+  ) -> "PageTable":
+    """A table of `width` entries in which every sequence owns only its logical pages
+    `entries` (the same for every sequence, in that order; an entry a sequence does not own
+    reads as the null page), holding `length` tokens, which must be exactly the tokens of
+    those pages (so a sequence still owns its first `pages_for(length)` entries). The pages
+    stay where they are: a window shares the pool and the free stack, what is appended to it
+    allocates as usual, and `unwindow` puts this table back once that is cut away."""
+    picked = jnp.take(self.table, jnp.asarray(entries), axis=-1, mode="fill", fill_value=NULL_PAGE)
+    pad = [(0, 0)] * (picked.ndim - 1) + [(0, width - picked.shape[-1])]
+    return self.replace(table=jnp.pad(picked, pad, constant_values=NULL_PAGE), length=length)
+
+  def unwindow(self, window: "PageTable") -> "PageTable":
+    """This table again, after `window` (a `window` of it) was cut back to its own tokens:
+    the allocator's state (free stack, status) is the window's, the sequences this table's."""
+    return self.replace(
+        free_pages=window.free_pages, num_free=window.num_free, status=window.status
+    )
 
   def slots(self, page_size: int, layer=None) -> tuple[Int[Array, "... N"], Int[Array, " N"]]:
     """Physical (page, offset) of every logical slot of every sequence (of one layer):

@@ -17,6 +17,12 @@ expected_attention),
   model.rotate(x [B, T, H, D], positions [B, T]) -> x position-encoded at `positions`
       the same linear map `run` applies to q and k (RoPE); rotate(x, -p) undoes rotate(x, p)
 
+and (policies that weigh a value by what it adds to the residual stream: kvzip_plus)
+
+  model.head_output_gram(layer) -> G [Hq, D, D]      (layer may be traced)
+      W_O^h (W_O^h)^T for each query head h, where W_O^h [D, d] is the rows of the layer's
+      output projection that head h's attention output meets: ||W_O^h v|| = sqrt(v.G_h v)
+
 The model knows nothing of pages or policies: kvjax's `attend` appends K/V to the paged cache,
 runs paged attention and feeds the policy; `after_layer` lets a policy read hidden states.
 `docs/integration.md` walks through it; `examples/custom_model.py` is a model written from
@@ -115,7 +121,7 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
   want_lse = "lse" in reads
   want_probs = "probs" in reads or per_head
 
-  def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer):
+  def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer, *gram):
     cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
     out, probs, *lse = paged_attention(
         q,
@@ -147,6 +153,7 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
           attention_impl,
           positions=positions,
           rotate=getattr(model, "rotate", None),
+          head_output=gram[0] if gram else None,
       )
       cache = policy.observe(cache, stats)
     return cache, out
@@ -190,6 +197,9 @@ def forward(
   row = P(DATA, None)
 
   def attend(q, k, v, cache, layer):
+    # The Gram matrices, when read, are computed here (under GSPMD, from whole weights) and
+    # split over the model axis with the query heads.
+    gram = (model.head_output_gram(layer),) if "head_output" in reads else ()
     cache, out = on_shards(
         attend_here,
         cache,
@@ -201,7 +211,8 @@ def forward(
         protected,
         segment,
         layer if cache.mesh is None else jnp.asarray(layer),
-        specs=(heads, heads, heads, row, P(DATA), row, row, P()),
+        *gram,
+        specs=(heads, heads, heads, row, P(DATA), row, row, P(), *[P(MODEL)] * len(gram)),
         out_specs=heads,
     )
     return out, cache

@@ -21,6 +21,7 @@ from kvjax import sharding as shards
 from kvjax.cache import WARNINGS, NumericsError, PagedKVCache, Status, check_status
 from kvjax.compilation import compile_stats, compiled
 from kvjax.eviction import truncate as truncate_cache
+from kvjax.pages import pages_for
 from kvjax.prompts import EncodedPrompts
 from kvjax.sampling import Sampling, sample
 from kvjax.seam import ModelShape, forward
@@ -300,7 +301,8 @@ def run_decode(
 @dataclasses.dataclass(frozen=True)
 class ContextReader:
   """What a policy's `score_context` may do with a context before it is compressed: read
-  tokens into the state (observing, or not) and cut the cache back."""
+  tokens into the state (observing, or not; after the whole context, or after one span of
+  it) and cut the cache back."""
 
   model: object
   tokenizer: object
@@ -324,6 +326,59 @@ class ContextReader:
   def cut(self, state, length) -> State:
     """The state with every sequence cut back to `length` tokens (their pages freed)."""
     return state.replace(cache=truncate(state.cache, length))
+
+  def read_after_span(
+      self, state, encoded, *, start: int, span: int, sink: int, **read_options
+  ) -> State:
+    """`encoded` read (as `read` does, observing) after only the first `sink` tokens and
+    the tokens `start:start + span` of each row's context, then cut away again: the new
+    tokens attend to that span, not to the whole context, so a pass costs what the span
+    does. `start` and `span` are whole pages; `sink` is rounded up to whole pages. The
+    context's pages stay in place: the pass reads them through a window of the page table
+    (`PageTable.window`), and the table is put back afterwards."""
+    cache = state.cache
+    ps = cache.config.page_size
+    if start % ps or span % ps or span < ps:
+      raise ValueError(f"start={start} and span={span} must be whole pages of {ps} tokens")
+    sink_pages = pages_for(sink, ps)
+    # Room for the new tokens after a span whose last page may be partly filled, and for
+    # one compiled step of them.
+    step = read_options.get("chunk") or state.plan.chunk
+    room = max(pages_for(int(encoded.lengths.max()), ps) + 1, pages_for(step, ps))
+    width = sink_pages + span // ps + room
+    window = _window(
+        cache, np.int32(start), sink_pages=sink_pages, span_pages=span // ps, width=width
+    )
+    length = jnp.copy(window.length)  # the window's own tokens (its cache is donated)
+    window = window.replace(
+        config=dataclasses.replace(cache.config, max_tokens=width * ps, budget=None, threshold=None)
+    )
+    read = self.read(state.replace(cache=window), encoded, **read_options)
+    cut = truncate(read.cache, length)
+    restored = cut.replace(config=cache.config, pages=cache.pages.unwindow(cut.pages))
+    return read.replace(cache=restored)
+
+
+@functools.partial(jax.jit, static_argnames=("sink_pages", "span_pages", "width"))
+def _window(cache: PagedKVCache, start, *, sink_pages: int, span_pages: int, width: int):
+  """`cache` with a window of its page table (`PageTable.window`): each sequence's first
+  `sink_pages` pages and the `span_pages` pages from token `start` (the first
+  `sink_pages + span_pages` pages when `start` is 0), `width` entries in all."""
+  ps = cache.config.page_size
+  first = start // ps
+  head = jnp.arange(sink_pages + span_pages)
+  entries = jnp.where(
+      first == 0, head, jnp.where(head < sink_pages, head, first + head - sink_pages)
+  )
+  length = cache.length
+  tokens = (sink_pages + span_pages) * ps
+  sink_tokens = jnp.minimum(length, sink_pages * ps)
+  windowed = jnp.where(
+      first == 0,
+      jnp.minimum(length, tokens),
+      sink_tokens + jnp.clip(length - start, 0, span_pages * ps),
+  )
+  return cache.replace(pages=cache.pages.window(entries, windowed, width))
 
 
 @jax.jit

@@ -160,6 +160,18 @@ class Llama(nnx.Module):
     the rotation at the opposite one (the seam's optional `rotate`)."""
     return apply_rope(x, positions, self.inv_freq[...])
 
+  def head_output_gram(self, layer) -> Float[Array, "H D D"]:
+    """W_O^h (W_O^h)^T of layer `layer` (may be traced) for each query head h: the seam's
+    optional `head_output_gram` (||W_O^h v||^2 = v.G_h v)."""
+    c = self.config
+
+    def gram(w):
+      wo = w["wo"].reshape(c.n_heads, c.head_dim, -1).astype(jnp.float32)  # [H, D, d]
+      return jnp.einsum("hde,hfe->hdf", wo, wo)
+
+    weights = [{"wo": layer_params["wo"][...]} for layer_params in self.layers]
+    return jax.lax.switch(layer, [functools.partial(gram, w) for w in weights])
+
   def run(
       self,
       tokens: Int[Array, "B T"],

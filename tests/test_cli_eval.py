@@ -116,7 +116,10 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
         (["bench", "--context-tokens", "9000"], "exceeds the model context 8192"),
         (["eval", "passkey", "--jsonl", "/nonexistent.jsonl"], "cannot read JSONL file"),
         (["eval", "passkey", "--fillers", "repeat", "nope"], "fillers must be a non-empty list"),
-        (["eval", "passkey", "--text", "SHORT"], "--text only as the haystack of --fillers text"),
+        (
+            ["eval", "passkey", "--fillers", "repeat", "--text", "SHORT"],
+            "--text only as the haystack of --fillers text or needles",
+        ),
         (
             ["eval", "passkey", "--fillers", "text", "--text", "SHORT", "--policy", "full"],
             "too short for 3 window.s. of 1024 tokens",

@@ -122,8 +122,37 @@ def test_passkey_fillers_give_fillers_x_depths_x_trials_cases(model, tokenizer, 
   assert r["cases"] == 2 and r["failed"] == 0
   assert [a["filler"] for a in r["answers"]] == ["repeat", "text"]
   for fillers in (("nope",), (), "text"):
-    with pytest.raises(ValueError, match=r"fillers must be a non-empty list of repeat, text"):
+    with pytest.raises(
+        ValueError, match=r"fillers must be a non-empty list of repeat, text, needles"
+    ):
       E.passkey(model, tokenizer, context_tokens=200, fillers=fillers, ids=text_ids)
+
+
+def test_needles_hide_a_key_per_door_in_real_text_and_ask_for_one(tokenizer, text_ids):
+  cases = _tasks.passkey_cases(
+      tokenizer, 300, depths=(0.1, 0.5, 0.9), trials=2, fillers=("text", "needles"), ids=text_ids
+  )
+  text_cases, needle_cases = cases[:6], cases[6:]
+  # The "text" cases keep the keys and windows they have without the needles.
+  alone = _tasks.passkey_cases(
+      tokenizer, 300, depths=(0.1, 0.5, 0.9), trials=2, fillers=("text",), ids=text_ids
+  )
+  assert [c["answer"] for c in alone] == [c["answer"] for c in text_cases]
+  opening, _ = _tasks._chat_parts(tokenizer, True)
+  for case in needle_cases:
+    text = tokenizer.decode(case["ids"])
+    keys = re.findall(r"The pass key of the (\w+) door is (\d{5})\.", text)
+    assert sorted(door for door, _ in keys) == sorted(_data.DOORS)  # three doors, once each
+    assert dict(keys)[case["door"]] == case["answer"]
+    assert len({key for _, key in keys}) == 3
+    assert case["question"] == _data.DOOR_QUESTION.format(door=case["door"])
+    question = _tasks._question_ids(tokenizer, case["question"], True)
+    assert len(opening) + len(case["ids"]) + len(question) == 300
+    # The asked key sits at its depth of the text (the others spread around it).
+    body = text[len(_data.PASSKEY_INTRO) :]
+    at = body.index(f"the {case['door']} door is")
+    assert abs(at / len(body) - case["depth"]) < 0.2  # the other two keys shift it a little
+  assert len({c["door"] for c in needle_cases}) > 1  # the door asked varies
 
 
 def test_multi_question_case_puts_each_fact_at_its_depth(tokenizer, text_ids):

@@ -136,3 +136,122 @@ def test_truncate_drops_the_tail_and_returns_its_pages():
   assert kvjax.read_sequence(cut, 0, 0, 0)[2].tolist() == list(range(6))
   assert int(cut.pages_in_use().sum()) == 2 + 3
   assert_cache_invariants(cut)
+
+
+class _SecondSpanOnly(policies.KVzip):
+  """kvzip with one reconstruction pass: tokens 64:128 of each row, attending to the sink
+  page and that span only (`ContextReader.read_after_span`)."""
+
+  def score_context(self, reader, state, context, progress=None):
+    state = reader.read(state, context, observe=False)
+    state = state.replace(
+        cache=state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
+    )
+    rows = [row[64:128] or [1] for row in context.ids]  # a row shorter than 64: one token
+    piece = kvjax.prompts.EncodedPrompts(
+        rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows]
+    )
+    position = state.position
+    state = reader.read_after_span(state, piece, start=64, span=64, sink=4, chunk=80)
+    return state.replace(position=position)
+
+
+def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_span(tiny):
+  model, tokenizer = tiny
+  long, short = tokenizer.encode(CONTEXT)[:200], tokenizer.encode(CONTEXT)[:50]
+  spec = kvjax.CompressionSpec(policy=_SecondSpanOnly(chunk=64), budget=0.5, sink=4, recent=8)
+  scores, valid = kvjax.session.context_scores(model, [long, short], spec, tokenizer=tokenizer)
+  # The table is back as it was: every context token live, nothing past it.
+  np.testing.assert_array_equal(valid[:, 0].sum(-1), 200)
+  np.testing.assert_array_equal(valid[:, 1].sum(-1), 50)
+  seen = scores > 0  # [L, B, H, N]: attention probabilities are positive where attended
+  span = np.zeros(scores.shape[-1], bool)
+  span[:16] = span[64:128] = True  # the sink's page and the span
+  assert seen[:, 0][..., span[:200].nonzero()[0]].all()
+  assert not seen[:, 0][..., ~span].any()
+  # The short row has no tokens in the span: its pass saw its sink page only.
+  assert seen[:, 1, :, :16].all() and not seen[:, 1, :, 16:].any()
+
+
+def test_chunk_and_context_reconstruction_agree_when_one_chunk_holds_the_context(tiny):
+  model, tokenizer = tiny
+  ids = tokenizer.encode(CONTEXT)[:120]
+  got = {
+      attend_to: kvjax.session.context_scores(
+          model,
+          [ids],
+          kvjax.CompressionSpec(
+              policy=policies.KVzip(chunk=128, attend_to=attend_to), budget=0.5, sink=4, recent=8
+          ),
+          tokenizer=tokenizer,
+      )[0]
+      for attend_to in ("chunk", "context")
+  }
+  np.testing.assert_allclose(got["chunk"], got["context"], rtol=1e-5, atol=1e-7)
+
+
+def test_kvzip_refuses_a_bad_attend_to():
+  with pytest.raises(ValueError, match="attend_to must be one of"):
+    policies.KVzip(attend_to="everything")
+
+
+def test_head_output_gram_gives_the_norm_of_what_a_value_adds_to_the_residual(tiny):
+  model, _ = tiny
+  c = model.config
+  v = np.random.default_rng(0).normal(size=(5, c.head_dim)).astype(np.float32)
+  for layer in (0, 1):
+    gram = np.asarray(model.head_output_gram(jnp.int32(layer)))  # [Hq, D, D]
+    wo = np.asarray(model.layers[layer]["wo"][...]).reshape(c.n_heads, c.head_dim, -1)
+    for h in range(c.n_heads):
+      direct = np.linalg.norm(v @ wo[h], axis=-1)
+      via_gram = np.sqrt(np.einsum("nd,de,ne->n", v, gram[h], v))
+      np.testing.assert_allclose(via_gram, direct, rtol=1e-4)
+
+
+def test_kvzip_plus_weighs_each_key_by_its_value_through_the_output_projection():
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=8)
+  cache = kvjax.init_cache(cfg, 1, 1, 1, 2, chunk=8, slots=policies.KVzipPlus.slots)
+  v = jnp.asarray([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])[None, :, None, :]  # [1, 3, 1, 2]
+  cache = kvjax.append(cache, jnp.zeros_like(v)[None], v[None], jnp.arange(3)[None])
+  head_probs = jnp.asarray([[[[0.5, 0.3, 0.2, 0, 0, 0, 0, 0]], [[0.1, 0.8, 0.1, 0, 0, 0, 0, 0]]]])
+  gram = jnp.stack([jnp.eye(2), 4 * jnp.eye(2)])  # head 1's output doubles a value's norm
+  stats = AttentionStats(
+      layer=jnp.int32(0),
+      q=jnp.zeros((1, 1, 2, 2)),
+      out=jnp.zeros((1, 1, 2, 2)),
+      probs=head_probs.sum(1, keepdims=True),
+      head_probs=head_probs,
+      num_new=jnp.array([1], jnp.int32),
+      head_output=gram,
+  )
+  cache = policies.KVzipPlus().observe(cache, stats)
+  score = np.asarray(kvjax.logical_view(cache, cache.slot("score")))[0, 0, 0, :3]
+  # max over the two query heads of prob x ||W_O^h v||: norms 5, 1, 2 (head 0), doubled (1).
+  np.testing.assert_allclose(score, [max(0.5 * 5, 0.1 * 10), max(0.3, 0.8 * 2), max(0.4, 0.1 * 4)])
+
+
+def test_kvzip_plus_compresses_and_refuses_a_model_without_the_projection(tiny):
+  model, tokenizer = tiny
+  spec = kvjax.CompressionSpec(policy="kvzip_plus", budget=0.25, sink=4, recent=8)
+  state = kvjax.prefill(model, [CONTEXT], spec, tokenizer=tokenizer, reserve=16)
+  assert_compressed_once(state, len(tokenizer.encode(CONTEXT)))
+
+  class NoProjection:
+
+    def __init__(self, model):
+      self.config, self.run = model.config, model.run
+
+  with pytest.raises(ValueError, match="head_output_gram"):
+    spec.policy.check_model(NoProjection(model))
+
+
+def test_chunk_reconstruction_scores_a_context_that_fills_the_model(tiny):
+  """Each pass follows its own span, so a context the length of the model's window is
+  scored; repeating it after the whole context would leave no room."""
+  model, tokenizer = tiny
+  ids = (tokenizer.encode(CONTEXT) * 4)[: model.config.max_context - 8]
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=4, recent=8)
+  state = kvjax.prefill(model, [ids], spec, tokenizer=tokenizer, reserve=4)
+  assert_compressed_once(state, len(ids))
+  with pytest.raises(ValueError, match="leaves no room in the model context"):
+    kvjax.prefill(model, [ids], spec.replace(policy="kvzip:attend_to=context"), tokenizer=tokenizer)

@@ -180,6 +180,7 @@ def _stats(cache, probs, head_probs=None, out=None):
       num_new=jnp.array([t], jnp.int32),
       positions=jnp.arange(length - t, length)[None],
       rotate=lambda x, positions: x,
+      head_output=jnp.broadcast_to(jnp.eye(d), (hq, d, d)),  # an output projection W_O = I
   )
 
 
@@ -780,6 +781,7 @@ def test_only_policies_that_read_the_probabilities_get_them():
       "snapkv",
       "info_aware",
       "kvzip",
+      "kvzip_plus",
   }
 
   class Custom(policies.Policy):  # a user's observe reads whatever stats hold
@@ -845,3 +847,21 @@ def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
       np.asarray(kvjax.cache.logical_view(full.cache, full.cache.slot("position"))),
   )
   np.testing.assert_allclose(np.asarray(lean.logits), np.asarray(full.logits), atol=1e-5)
+
+
+def test_a_policy_name_takes_its_options_after_a_colon():
+  assert policies.get_policy("kvzip:chunk=256,attend_to=context") == policies.KVzip(
+      chunk=256, attend_to="context"
+  )
+  assert policies.get_policy("h2o:decay=0.5") == policies.AttentionHistory(decay=0.5)
+  spec = kvjax.CompressionSpec(policy="kvzip:chunk=128", budget=64)
+  assert spec.policy == policies.KVzip(chunk=128)
+  for bad, match in [
+      ("kvzip:chunk=x", "option chunk must be an int, got 'x'"),
+      ("kvzip:window=3", "bad option 'window=3'; its options: chunk=, attend_to="),
+      ("kvzip:chunk", "bad option 'chunk'"),
+      ("kvzip:attend_to=everything", "attend_to must be one of"),
+      ("nope:chunk=1", "unknown policy 'nope'"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      policies.get_policy(bad)

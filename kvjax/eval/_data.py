@@ -32,6 +32,10 @@ PASSKEY_FILLER = (
 )
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+# Several needles: a key per door in one text, one door asked (the others are distractors).
+DOORS = ("red", "green", "blue")
+DOOR_NEEDLE = " The pass key of the {door} door is {key}. Remember it. {key} opens the {door} door."
+DOOR_QUESTION = "What is the pass key of the {door} door? Answer with the number only."
 
 # Multi-question facts: one sentence per subject, each with its own code, asked one by one.
 FACT_SUBJECTS = (

@@ -247,8 +247,8 @@ def _check_data(task, tokenizer, length, ids, cases, options):
   """Raises ValueError when the data cannot make a request of `length` tokens."""
   if task == "passkey":
     if cases is None:
-      if ids is None and "text" in options.get("fillers", ()):
-        raise ValueError("the passkey 'text' filler needs text token ids")
+      if ids is None and set(options.get("fillers", ())) & set(_tasks.TEXT_FILLERS):
+        raise ValueError("the passkey 'text' and 'needles' fillers need text token ids")
       _tasks.passkey_cases(tokenizer, length, ids=ids, **_given(task, options))
     return
   if ids is None:

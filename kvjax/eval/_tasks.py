@@ -187,7 +187,10 @@ def answer(
   )[0]
 
 
-FILLERS = ("repeat", "text")
+# Haystacks of a passkey case: the repeated synthetic filler; real text; real text with a
+# key per door (`_data.DOORS`), one door asked.
+FILLERS = ("repeat", "text", "needles")
+TEXT_FILLERS = ("text", "needles")  # the ones that take windows of real text
 
 
 def check_depths(depths):
@@ -228,18 +231,28 @@ def passkey_case(
     key: str,
     chat: bool = True,
     text: Sequence[int] | None = None,
+    *,
+    others: Sequence[tuple[str, str]] = (),
+    door: str | None = None,
+    question: str = _data.PASSKEY_QUESTION,
 ):
   """Context ids (the pass key at `depth` of a haystack: the repeated synthetic filler, or
   the first tokens of `text` ids) sized so that the whole request (template, context,
-  question) is `context_tokens` tokens."""
-  needle = tokenizer.encode(_data.PASSKEY_NEEDLE.format(key=key))
+  question) is `context_tokens` tokens. With a `door`, the key is that door's and `others`
+  ((door, key) pairs) are placed too, spread evenly from `depth` around the text."""
+  if door is None:
+    needle = tokenizer.encode(_data.PASSKEY_NEEDLE.format(key=key))
+    rest = []
+  else:
+    needle = tokenizer.encode(_data.DOOR_NEEDLE.format(door=door, key=key))
+    rest = [tokenizer.encode(_data.DOOR_NEEDLE.format(door=d, key=k)) for d, k in others]
   intro = tokenizer.encode(_data.PASSKEY_INTRO)
-  question = _question_ids(tokenizer, _data.PASSKEY_QUESTION, chat)
-  fixed = _request_tokens(tokenizer, intro + needle, [question], chat)
+  question = _question_ids(tokenizer, question, chat)
+  fixed = _request_tokens(tokenizer, intro + needle + sum(rest, []), [question], chat)
   if context_tokens <= fixed:
     raise ValueError(
         f"context_tokens={context_tokens} is too short for a passkey request: the template, "
-        f"instructions, key and question alone take {fixed} tokens"
+        f"instructions, keys and question alone take {fixed} tokens"
     )
   room = context_tokens - fixed
   if text is None:
@@ -247,7 +260,10 @@ def passkey_case(
     return _data.fill_to(tokenizer, intro, _data.PASSKEY_FILLER, length, needle, depth)[0]
   if len(text) < room:
     raise ValueError(f"a text window of {len(text)} tokens is too short for {room} filler tokens")
-  return intro + _data.embed(tokenizer, text[:room], [(needle, depth)])[0]
+  # The other keys at depth + 1/n, + 2/n, ... around the text (kept off its very ends).
+  spread = [0.05 + 0.9 * ((depth + (i + 1) / (len(rest) + 1)) % 1.0) for i in range(len(rest))]
+  inserts = [(needle, depth), *zip(rest, spread)]
+  return intro + _data.embed(tokenizer, text[:room], inserts)[0]
 
 
 def passkey_cases(
@@ -275,16 +291,33 @@ def passkey_cases(
       for d in depths
       for _ in range(trials)
   ]
-  in_text = [c for c in cases if c["filler"] == "text"]
+  # The doors' keys and the door asked come from a stream of their own, so the cases of
+  # the other fillers keep their keys.
+  doors = np.random.default_rng([seed, 1])
+  in_text = [c for c in cases if c["filler"] in TEXT_FILLERS]
   if in_text:
     ids = _default_ids(tokenizer) if ids is None else ids
     for case, window in zip(in_text, _data.windows(ids, context_tokens, len(in_text))):
       case["text"] = window
   for case in cases:
+    door, others, question = None, (), _data.PASSKEY_QUESTION
+    if case["filler"] == "needles":
+      order = doors.permutation(len(_data.DOORS))
+      door = _data.DOORS[order[0]]
+      others = [(_data.DOORS[i], str(doors.integers(10000, 100000))) for i in order[1:]]
+      question = _data.DOOR_QUESTION.format(door=door)
+      case["door"] = door
     case["ids"] = passkey_case(
-        tokenizer, context_tokens, case["depth"], case["answer"], text=case.pop("text", None)
+        tokenizer,
+        context_tokens,
+        case["depth"],
+        case["answer"],
+        text=case.pop("text", None),
+        door=door,
+        others=others,
+        question=question,
     )
-    case["question"] = _data.PASSKEY_QUESTION
+    case["question"] = question
   return cases
 
 
@@ -362,6 +395,7 @@ def passkey(
           {
               "filler": c.get("filler"),
               "depth": c.get("depth"),
+              **({"door": c["door"]} if "door" in c else {}),
               "expected": c["answer"],
               "answer": None if r is None else r["answer"],
           }

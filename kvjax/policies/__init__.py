@@ -28,7 +28,7 @@ from kvjax.policies.budgets import (
 )
 from kvjax.policies.expected_attention import ExpectedAttention
 from kvjax.policies.info_aware import INFO, InfoAware
-from kvjax.policies.kvzip import KVzip
+from kvjax.policies.kvzip import KVzip, KVzipPlus
 from kvjax.policies.learned import Learned, Scorer
 from kvjax.policies.output_impact import DropKV, OutputImpact
 from kvjax.policies.simple import Full, KeyNorm, Random, Streaming
@@ -47,6 +47,7 @@ for _cls in (
     DropKV,
     InfoAware,
     KVzip,
+    KVzipPlus,
     Learned,
     ExpectedAttention,
 ):
@@ -69,6 +70,7 @@ __all__ = [
     "GroupHistory",
     "InfoAware",
     "KVzip",
+    "KVzipPlus",
     "KeyNorm",
     "Learned",
     "MeanAttention",

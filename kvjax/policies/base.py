@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from kvjax.cache import PagedKVCache, Slot, logical_view, valid_mask
 from kvjax.pages import token_slots
 
-READS = frozenset({"probs", "head_probs", "lse", "logits"})
+READS = frozenset({"probs", "head_probs", "lse", "logits", "head_output"})
 MODES = ("running", "once")
 GRANULARITIES = ("token", "page")
 # Class variables of earlier kvjax versions, still accepted on a subclass: `needs_probs`
@@ -62,6 +62,11 @@ class AttentionStats:
   # The model's position encoding, `rotate(x [B, T, H, D], positions [B, T])`, None when the
   # model does not expose it (an optional part of the seam, see kvjax.seam).
   rotate: Callable[[Array, Array], Array] | None = None
+  # The layer's output projection per query head as a Gram matrix, W_O^h (W_O^h)^T, so that
+  # ||W_O^h v|| = sqrt(v . G_h v): what head h's value v adds to the residual stream; from
+  # the optional seam method `model.head_output_gram(layer)`, when the policy reads
+  # "head_output".
+  head_output: Float[Array, "Hq D D"] | None = None
 
 
 SCORE = Slot("score", "float32", 0.0)  # a policy's running per-token score
@@ -176,7 +181,8 @@ class Policy:
   def score_context(self, reader, state, context, progress=None):
     """A context compressed once (`mode == "once"`): the state with `context` read and
     scored, nothing evicted yet. `reader` (from the session) reads tokens into a state
-    (`reader.read(state, encoded, observe=True, ...)`) and cuts a cache back
+    (`reader.read(state, encoded, observe=True, ...)`), reads tokens after one span of the
+    context only (`reader.read_after_span`) and cuts a cache back
     (`reader.cut(state, length)`). By default the policy observes while the context is
     read."""
     return reader.read(state, context, progress=progress)
@@ -201,10 +207,45 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def get_policy(policy: str | Policy, *, scorer: str | None = None) -> Policy:
-  """The policy of a name (or the policy itself); `scorer`: a trained scorer's directory
-  for 'learned'."""
+  """The policy of a name (or the policy itself), with options after a colon:
+  "kvzip:chunk=256,attend_to=context" (each a field of the policy's class with a bool, int,
+  float or str default); `scorer`: a trained scorer's directory for 'learned'."""
   if isinstance(policy, Policy):
     return policy
-  if policy not in POLICIES:
-    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-  return POLICIES[policy]() if scorer is None else POLICIES[policy](scorer=scorer)
+  name, _, options = str(policy).partition(":")
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+  cls = POLICIES[name]
+  kwargs = _policy_options(cls, options) if options else {}
+  if scorer is not None:
+    kwargs["scorer"] = scorer
+  return cls(**kwargs)
+
+
+def _policy_options(cls: type[Policy], options: str) -> dict:
+  """ "k=v,k=v" parsed by the types of `cls`'s defaults; ValueError naming a bad one."""
+  fields = {
+      f.name: f.default
+      for f in dataclasses.fields(cls)
+      if f.init and type(f.default) in (bool, int, float, str)
+  }
+  kwargs = {}
+  for item in options.split(","):
+    key, eq, text = item.partition("=")
+    if not eq or key not in fields:
+      known = ", ".join(f"{k}=" for k in fields) or "none"
+      raise ValueError(f"policy {cls.name!r}: bad option {item!r}; its options: {known}")
+    kind = type(fields[key])
+    try:
+      if kind is bool:
+        if text.lower() not in ("true", "false"):
+          raise ValueError
+        kwargs[key] = text.lower() == "true"
+      else:
+        kwargs[key] = kind(text)
+    except ValueError:
+      raise ValueError(
+          f"policy {cls.name!r}: option {key} must be {'an' if kind is int else 'a'} "
+          f"{kind.__name__}, got {text!r}"
+      ) from None
+  return kwargs

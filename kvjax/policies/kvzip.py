@@ -7,13 +7,17 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
 
-from kvjax.cache import Slot
+from kvjax import sharding as shards
+from kvjax.cache import Slot, logical_view
 from kvjax.pages import pages_for
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
 from kvjax.prompts import EncodedPrompts
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+ATTEND_TO = ("chunk", "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,29 +27,49 @@ class KVzip(Policy):
   the state; a KV pair's score is the largest attention it receives from those
   reconstruction queries (max over the query heads of its kv head). One ranking across all
   layers and kv heads of a row then sets how many tokens each sequence keeps, and the pool
-  is re-laid out to what is kept: the compressed context serves any later question."""
+  is re-laid out to what is kept: the compressed context serves any later question.
+
+  `attend_to`: what a repeated chunk attends to. "chunk" (default): the sink (the first
+  page) and its own span of the context, so the passes cost linear in the context (as
+  kvpress scores KVzip, over the sink, the chunk and the repeat); "context": the whole
+  context (the passes cost quadratic in it)."""
 
   name: ClassVar[str] = "kvzip"
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   reads: ClassVar[frozenset[str]] = frozenset({"head_probs"})
   mode: ClassVar[str] = "once"
   chunk: int = 512  # context tokens repeated per reconstruction pass
+  attend_to: str = "chunk"  # "chunk" (the sink and the chunk's own span) or "context"
+
+  def __post_init__(self):
+    if self.attend_to not in ATTEND_TO:
+      raise ValueError(f"KVzip attend_to must be one of {ATTEND_TO}, got {self.attend_to!r}")
+    if not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 1:
+      raise ValueError(f"KVzip chunk must be a positive int, got {self.chunk!r}")
 
   def score_context(self, reader, state, context, progress=None):
     """Reads the context (not observing: the scores come from repeating it), then has the
-    model repeat it after itself, one chunk per pass; a key's score is the most attention
-    any repeating query pays it. Each pass's tokens are dropped again: memory peaks at the
-    context + one chunk."""
+    model repeat it, one chunk per pass; a key's score is the most attention any repeating
+    query pays it. Each pass's tokens are dropped again: memory peaks at the context + one
+    chunk."""
+    first = shards.to_host(state.position)  # [B] where each row's context starts
     state = reader.read(state, context, observe=False, progress=progress)
     tokenizer, max_context = reader.tokenizer, reader.shape.max_context
     prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
     longest = int(context.lengths.max())
-    chunk = min(self.chunk, max_context - longest - len(prompt))
-    if chunk < 1:
-      raise ValueError(
-          f"policy {self.name!r} repeats the context after it: a context of {longest} tokens "
-          f"leaves no room in the model context {max_context}"
-      )
+    config = state.cache.config
+    local = self.attend_to == "chunk"
+    if local:
+      # Spans of whole pages: a pass reads its span through a window of the page table.
+      chunk = max(self.chunk // config.page_size, 1) * config.page_size
+    else:
+      chunk = min(self.chunk, max_context - longest - len(prompt))
+      if chunk < 1:
+        raise ValueError(
+            f"policy {self.name!r} repeats the context after it: a context of {longest} "
+            f"tokens leaves no room in the model context {max_context} (attend_to='chunk' "
+            "repeats each chunk after its own span)"
+        )
     context_length = jnp.copy(state.cache.length)
     logits, position = state.logits, state.position
     state = state.replace(
@@ -53,29 +77,66 @@ class KVzip(Policy):
     )
     # One step per pass (the pass length rounded up to a page): prefill-sized steps would
     # pad a 512 + prompt pass to three 256-token chunks, a third of them padding.
-    config = state.cache.config
-    step = min(
-        pages_for(chunk + len(prompt), config.page_size) * config.page_size,
-        config.max_tokens - longest,
-    )
+    step = pages_for(chunk + len(prompt), config.page_size) * config.page_size
+    if not local:
+      step = min(step, config.max_tokens - longest)
     for start in range(0, longest, chunk):
       rows = [prompt + row[start : start + chunk] for row in context.ids]
       piece = EncodedPrompts(rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows])
-      state = reader.read(
-          state,
-          piece,
-          key=jax.random.fold_in(state.key, start),
-          step=f"{self.name} scoring",
-          chunk=max(step, 1),
+      options = dict(
+          key=jax.random.fold_in(state.key, start), step=f"{self.name} scoring", chunk=max(step, 1)
       )
-      state = reader.cut(state, context_length).replace(position=position)
-    return state.replace(logits=logits)
+      if local:
+        # The pass follows its span, as if the model had just read it: its positions go on
+        # from the span's end (the last pass's may pass the model's context by up to a
+        # prompt and a chunk; only the sink's page is that far from it).
+        after = first + np.minimum(context.lengths, start + chunk)
+        state = state.replace(position=jax.device_put(after.astype(np.int32)))
+        state = reader.read_after_span(
+            state, piece, start=start, span=chunk, sink=state.plan.spec.sink, **options
+        )
+      else:
+        state = reader.read(state.replace(position=position), piece, **options)
+        state = reader.cut(state, context_length)
+    return state.replace(logits=logits, position=position)
 
   def observe(self, cache, stats):
     # stats.head_probs: [B, Hq, T, N]; padded queries (t >= num_new) count for nothing.
     b, hq, t, n = stats.head_probs.shape
     live = (jnp.arange(t) < stats.num_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
-    probs = jnp.where(live, stats.head_probs, 0.0)
+    probs = jnp.where(live, self.weigh(cache, stats), 0.0)
     peak = probs.reshape(b, cache.num_kv_heads, hq // cache.num_kv_heads * t, n).max(axis=2)
     current = read_layer(cache, "score", stats.layer)
     return write_layer(cache, "score", stats.layer, jnp.maximum(current, peak))
+
+  def weigh(self, cache, stats) -> Float[Array, "B Hq T N"]:
+    """What each query pays each key: its attention probability."""
+    return stats.head_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzipPlus(KVzip):
+  """KVzip+ (kvpress' `kvzip_plus_normalization`): a key's attention from a repeating query
+  head h weighed by what its value adds to the residual stream, ||W_O^h v|| (the output
+  projection's rows of head h, from the model's optional `head_output_gram`). Values differ
+  in norm across layers and heads, so the one global ranking no longer compares bare
+  probabilities. kvpress also divides by the norm of the query's hidden state; kvjax's seam
+  hands attention q, k and v, not the layer's input, so that factor is left out."""
+
+  name: ClassVar[str] = "kvzip_plus"
+  reads: ClassVar[frozenset[str]] = frozenset({"head_probs", "head_output"})
+
+  def check_model(self, model):
+    if not callable(getattr(model, "head_output_gram", None)):
+      raise ValueError(
+          f"policy {self.name!r} weighs values by the output projection: "
+          f"{type(model).__name__} has no `head_output_gram(layer)` method (an optional part "
+          "of the seam, docs/integration.md)"
+      )
+
+  def weigh(self, cache, stats):
+    hq, hkv = stats.head_probs.shape[1], cache.num_kv_heads
+    values = jnp.repeat(logical_view(cache, cache.v_pages, stats.layer), hq // hkv, axis=1)
+    # ||W_O^h v_n||^2 = v_n . G_h v_n, [B, Hq, N]; the clip absorbs rounding below zero.
+    energy = jnp.einsum("bhnd,hde,bhne->bhn", values, stats.head_output, values)
+    return stats.head_probs * jnp.sqrt(jnp.maximum(energy, 0.0))[:, :, None, :]
