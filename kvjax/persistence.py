@@ -194,10 +194,11 @@ def _describe(state: State, model, tokenizer, tokens, info) -> dict:
   """The metadata of a state (everything but the arrays)."""
   plan, cache = state.plan, state.cache
   spec = plan.spec
-  if get_policy(spec.policy.name, scorer=spec.scorer) != spec.policy:
+  if get_policy(spec.policy.spelling, scorer=spec.scorer) != spec.policy:
     raise ValueError(
         f"the state's policy {spec.policy!r} is not the registered policy "
-        f"{spec.policy.name!r} with default options: it cannot be saved by name"
+        f"{spec.policy.name!r} with options it can spell ({spec.policy.spelling!r}): it "
+        "cannot be saved by name"
     )
   shape = ModelShape.of(model)
   if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (

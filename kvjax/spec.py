@@ -287,9 +287,9 @@ class CompressionSpec:
     )
 
   def to_dict(self) -> dict:
-    """Plain values (the policy by name), e.g. for results files."""
+    """Plain values (the policy by name, with its options), e.g. for results files."""
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    out["policy"] = self.policy.name
+    out["policy"] = self.policy.spelling
     if self.allocation is not None:
       out["allocation"] = self.allocation.path or "<unsaved allocation>"
     return out

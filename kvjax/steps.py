@@ -328,26 +328,35 @@ class ContextReader:
     return state.replace(cache=truncate(state.cache, length))
 
   def read_after_span(
-      self, state, encoded, *, start: int, span: int, sink: int, **read_options
+      self, state, encoded, *, start: int, span: int, sink: int, lookback: int = 0, **read_options
   ) -> State:
     """`encoded` read (as `read` does, observing) after only the first `sink` tokens and
-    the tokens `start:start + span` of each row's context, then cut away again: the new
-    tokens attend to that span, not to the whole context, so a pass costs what the span
-    does. `start` and `span` are whole pages; `sink` is rounded up to whole pages. The
-    context's pages stay in place: the pass reads them through a window of the page table
-    (`PageTable.window`), and the table is put back afterwards."""
+    the tokens `start - lookback:start + span` of each row's context, then cut away again:
+    the new tokens attend to that stretch, not to the whole context, so a pass costs what
+    the stretch does. `start`, `span` and `lookback` are whole pages; `sink` is rounded up
+    to whole pages. The context's pages stay in place: the pass reads them through a window
+    of the page table (`PageTable.window`), and the table is put back afterwards."""
     cache = state.cache
     ps = cache.config.page_size
-    if start % ps or span % ps or span < ps:
-      raise ValueError(f"start={start} and span={span} must be whole pages of {ps} tokens")
+    if start % ps or span % ps or lookback % ps or span < ps or lookback < 0:
+      raise ValueError(
+          f"start={start}, span={span} and lookback={lookback} must be whole pages of {ps} "
+          "tokens (span at least one)"
+      )
     sink_pages = pages_for(sink, ps)
+    pages = (lookback + span) // ps
     # Room for the new tokens after a span whose last page may be partly filled, and for
     # one compiled step of them.
     step = read_options.get("chunk") or state.plan.chunk
     room = max(pages_for(int(encoded.lengths.max()), ps) + 1, pages_for(step, ps))
-    width = sink_pages + span // ps + room
+    width = sink_pages + pages + room
     window = _window(
-        cache, np.int32(start), sink_pages=sink_pages, span_pages=span // ps, width=width
+        cache,
+        np.int32(max(start - lookback, 0) // ps),
+        np.int32(start + span),
+        sink_pages=sink_pages,
+        pages=pages,
+        width=width,
     )
     length = jnp.copy(window.length)  # the window's own tokens (its cache is donated)
     window = window.replace(
@@ -359,26 +368,24 @@ class ContextReader:
     return read.replace(cache=restored)
 
 
-@functools.partial(jax.jit, static_argnames=("sink_pages", "span_pages", "width"))
-def _window(cache: PagedKVCache, start, *, sink_pages: int, span_pages: int, width: int):
-  """`cache` with a window of its page table (`PageTable.window`): each sequence's first
-  `sink_pages` pages and the `span_pages` pages from token `start` (the first
-  `sink_pages + span_pages` pages when `start` is 0), `width` entries in all."""
+@functools.partial(jax.jit, static_argnames=("sink_pages", "pages", "width"))
+def _window(cache: PagedKVCache, first_page, end, *, sink_pages: int, pages: int, width: int):
+  """`cache` with a window of its page table (`PageTable.window`), `width` entries: each
+  sequence's first `sink_pages` pages, then its tokens from page `first_page` up to token
+  `end` (at most `pages` pages of them); from page 0 when `first_page` is within the sink."""
   ps = cache.config.page_size
-  first = start // ps
-  head = jnp.arange(sink_pages + span_pages)
+  near = first_page <= sink_pages  # the stretch starts in (or just after) the sink
+  head = jnp.arange(sink_pages + pages)
   entries = jnp.where(
-      first == 0, head, jnp.where(head < sink_pages, head, first + head - sink_pages)
+      near, head, jnp.where(head < sink_pages, head, first_page + head - sink_pages)
   )
-  length = cache.length
-  tokens = (sink_pages + span_pages) * ps
-  sink_tokens = jnp.minimum(length, sink_pages * ps)
-  windowed = jnp.where(
-      first == 0,
-      jnp.minimum(length, tokens),
-      sink_tokens + jnp.clip(length - start, 0, span_pages * ps),
+  capped = jnp.minimum(cache.length, end)  # [L, B, H]
+  length = jnp.where(
+      near,
+      capped,
+      jnp.minimum(cache.length, sink_pages * ps) + jnp.clip(capped - first_page * ps, 0, None),
   )
-  return cache.replace(pages=cache.pages.window(entries, windowed, width))
+  return cache.replace(pages=cache.pages.window(entries, length, width))
 
 
 @jax.jit

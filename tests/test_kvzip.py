@@ -1,6 +1,8 @@
 """KVzip: query-agnostic scores from the model repeating its context, one global ranking
 across layers and kv heads, and a pool re-laid out to what is kept."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,7 +104,10 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
 
   def spy(model, state, encoded, key, progress=None, **kwargs):
     seen.append(encoded.ids[0])
+    starts.append(int(np.asarray(state.position)[0]))
     return real(model, state, encoded, key, progress, **kwargs)
+
+  starts = []
 
   monkeypatch.setattr(steps, "prefill_chunks", spy)
   spec = kvjax.CompressionSpec(policy=policies.KVzip(chunk=64), budget=64, sink=4, recent=8)
@@ -111,6 +116,8 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   prompt = tokenizer.encode(kvjax.policies.kvzip.RECONSTRUCTION_PROMPT)
   assert seen[0] == ids  # the context itself, then one pass per 64-token chunk
   assert seen[1:] == [prompt + ids[i : i + 64] for i in range(0, len(ids), 64)]
+  # Every pass is placed after the whole context (the model's window has room for it).
+  assert starts == [0] + [len(ids)] * (len(seen) - 1)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +145,11 @@ def test_truncate_drops_the_tail_and_returns_its_pages():
   assert_cache_invariants(cut)
 
 
+@dataclasses.dataclass(frozen=True)
 class _SecondSpanOnly(policies.KVzip):
   """kvzip with one reconstruction pass: tokens 64:128 of each row, attending to the sink
-  page and that span only (`ContextReader.read_after_span`)."""
+  page, the `lookback` tokens before the span and the span only
+  (`ContextReader.read_after_span`)."""
 
   def score_context(self, reader, state, context, progress=None):
     state = reader.read(state, context, observe=False)
@@ -152,25 +161,32 @@ class _SecondSpanOnly(policies.KVzip):
         rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows]
     )
     position = state.position
-    state = reader.read_after_span(state, piece, start=64, span=64, sink=4, chunk=80)
+    state = reader.read_after_span(
+        state, piece, start=64, span=64, sink=4, lookback=self.lookback, chunk=80
+    )
     return state.replace(position=position)
 
 
-def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_span(tiny):
+@pytest.mark.parametrize("lookback", [0, 32])
+def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_stretch(tiny, lookback):
   model, tokenizer = tiny
   long, short = tokenizer.encode(CONTEXT)[:200], tokenizer.encode(CONTEXT)[:50]
-  spec = kvjax.CompressionSpec(policy=_SecondSpanOnly(chunk=64), budget=0.5, sink=4, recent=8)
+  policy = _SecondSpanOnly(chunk=64, lookback=lookback)
+  spec = kvjax.CompressionSpec(policy=policy, budget=0.5, sink=4, recent=8)
   scores, valid = kvjax.session.context_scores(model, [long, short], spec, tokenizer=tokenizer)
   # The table is back as it was: every context token live, nothing past it.
   np.testing.assert_array_equal(valid[:, 0].sum(-1), 200)
   np.testing.assert_array_equal(valid[:, 1].sum(-1), 50)
   seen = scores > 0  # [L, B, H, N]: attention probabilities are positive where attended
-  span = np.zeros(scores.shape[-1], bool)
-  span[:16] = span[64:128] = True  # the sink's page and the span
-  assert seen[:, 0][..., span[:200].nonzero()[0]].all()
-  assert not seen[:, 0][..., ~span].any()
-  # The short row has no tokens in the span: its pass saw its sink page only.
-  assert seen[:, 1, :, :16].all() and not seen[:, 1, :, 16:].any()
+  stretch = np.zeros(scores.shape[-1], bool)
+  stretch[:16] = stretch[64 - lookback : 128] = True  # the sink's page, lookback and span
+  assert seen[:, 0][..., stretch[:200].nonzero()[0]].all()
+  assert not seen[:, 0][..., ~stretch].any()
+  # The short row ends before the span: its pass saw its sink page and its lookback only.
+  assert seen[:, 1][..., stretch[:50].nonzero()[0]].all()
+  assert not seen[:, 1][
+      ..., ~stretch[: scores.shape[-1]] | (np.arange(scores.shape[-1]) >= 50)
+  ].any()
 
 
 def test_chunk_and_context_reconstruction_agree_when_one_chunk_holds_the_context(tiny):

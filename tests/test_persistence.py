@@ -30,7 +30,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 SPECS = {
     "full": kvjax.CompressionSpec(),
-    "h2o": kvjax.CompressionSpec(policy="h2o", budget=48, sink=2),
+    # A policy with an option: saved spelled out, loaded as the same policy.
+    "h2o": kvjax.CompressionSpec(policy="h2o:decay=0.9", budget=48, sink=2),
     "kvzip": kvjax.CompressionSpec(policy="kvzip", budget=0.25, sink=2),
     # Quantized pages: codes and scales are saved as they are, and load as they were (int4
     # pages are the same arrays with another kv_dtype; kept out to bound the suite's time).
@@ -209,7 +210,7 @@ def test_saving_refuses_to_overwrite_or_write_into_other_files(model, states, tm
   with pytest.raises(FileExistsError, match="overwrite=True"):
     kvjax.save_state(path, states["h2o"], model)
   kvjax.save_state(path, states["h2o"], model, overwrite=True)
-  assert kvjax.state_info(path)["spec"]["policy"] == "h2o"
+  assert kvjax.state_info(path)["spec"]["policy"] == "h2o:decay=0.9"
   # The version replaced stays until the next save (a reader may have just read its name).
   assert sorted(p.name for p in path.iterdir()) == [".lock", "CURRENT", "v1", "v2"]
   kvjax.save_state(path, states["kvzip"], model, overwrite=True)

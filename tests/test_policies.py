@@ -865,3 +865,16 @@ def test_a_policy_name_takes_its_options_after_a_colon():
   ]:
     with pytest.raises(ValueError, match=match):
       policies.get_policy(bad)
+
+
+def test_a_policy_spells_its_options_as_get_policy_reads_them():
+  for policy in (
+      policies.KVzip(),
+      policies.KVzip(chunk=256, attend_to="context"),
+      policies.AttentionHistory(decay=0.5),
+  ):
+    assert policies.get_policy(policy.spelling) == policy
+  assert policies.KVzip().spelling == "kvzip"
+  spec = kvjax.CompressionSpec(policy="kvzip:attend_to=context", budget=0.25)
+  assert spec.to_dict()["policy"] == "kvzip:attend_to=context"
+  assert kvjax.CompressionSpec(**spec.to_dict()) == spec

@@ -154,6 +154,20 @@ class Policy:
     the model for its query heads and puts that state in `cache.extra`."""
     return type(self).init_extra is not Policy.init_extra
 
+  @property
+  def spelling(self) -> str:
+    """The policy's name with its options that differ from the defaults, as `get_policy`
+    reads it back ("kvzip:attend_to=context"; options that are not a bool, int, float or
+    str are not spelled)."""
+    options = [
+        f"{f.name}={str(value).lower() if isinstance(value, bool) else value}"
+        for f in dataclasses.fields(self)
+        if f.init
+        and type(f.default) in (bool, int, float, str)
+        and (value := getattr(self, f.name)) != f.default
+    ]
+    return self.name + (":" + ",".join(options) if options else "")
+
   def check_model(self, model) -> None:
     """Raises ValueError when this policy cannot score `model` (e.g. a scorer trained for
     another model). Called by `kvjax.prefill` before any work."""
