@@ -122,7 +122,7 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
         ),
         (
             ["eval", "passkey", "--fillers", "text", "--text", "SHORT", "--policy", "full"],
-            "too short for 3 window.s. of 1024 tokens",
+            "too short for 24 window.s. of 2048 tokens",
         ),
         (["eval", "multi-question", "--facts", "0"], "facts must be an int >= 1, got 0"),
         (["eval", "multi-question", "--trials", "0"], "trials must be an int >= 1, got 0"),
