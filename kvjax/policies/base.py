@@ -202,6 +202,16 @@ class Policy:
     return reader.read(state, context, progress=progress)
 
 
+def require_model_method(policy: Policy, model, signature: str, why: str) -> None:
+  """Raises ValueError when `model` lacks the optional seam method `signature` names
+  ("rotate(x, positions)"), which `policy` needs because it `why`."""
+  if not callable(getattr(model, signature.split("(")[0], None)):
+    raise ValueError(
+        f"policy {policy.name!r} {why}: {type(model).__name__} has no `{signature}` method "
+        "(an optional part of the seam, see docs/integration.md)"
+    )
+
+
 def _inherited_reads(cls) -> frozenset[str]:
   """What an undeclared subclass reads: its parent's, or {"probs"} where it is the first to
   override `observe` (probabilities are what an attention hook usually reads)."""

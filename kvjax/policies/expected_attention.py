@@ -10,7 +10,7 @@ import numpy as np
 
 from kvjax import scores as S
 from kvjax.cache import Slot, logical_view, valid_mask
-from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
+from kvjax.policies.base import SCORE, Policy, read_layer, require_model_method, write_layer
 from kvjax._checks import check_int
 
 
@@ -48,12 +48,7 @@ class ExpectedAttention(Policy):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
   def check_model(self, model):
-    if not callable(getattr(model, "rotate", None)):
-      raise ValueError(
-          f"policy {self.name!r} needs the model's position encoding: "
-          f"{type(model).__name__} has no `rotate(x, positions)` method (an optional part of "
-          "the seam, see docs/integration.md)"
-      )
+    require_model_method(self, model, "rotate(x, positions)", "needs the model's position encoding")
 
   def init_extra(self, num_layers, batch, num_kv_heads, num_query_heads, head_dim):
     # Host-made zeros: device transfers, no eager op to compile.

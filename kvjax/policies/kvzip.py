@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 from kvjax import sharding as shards
 from kvjax.cache import Slot, logical_view
 from kvjax.pages import pages_for
-from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
+from kvjax.policies.base import SCORE, Policy, read_layer, require_model_method, write_layer
 from kvjax.prompts import EncodedPrompts
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
@@ -141,12 +141,9 @@ class KVzipPlus(KVzip):
   reads: ClassVar[frozenset[str]] = frozenset({"head_probs", "head_output"})
 
   def check_model(self, model):
-    if not callable(getattr(model, "head_output_gram", None)):
-      raise ValueError(
-          f"policy {self.name!r} weighs values by the output projection: "
-          f"{type(model).__name__} has no `head_output_gram(layer)` method (an optional part "
-          "of the seam, docs/integration.md)"
-      )
+    require_model_method(
+        self, model, "head_output_gram(layer)", "weighs values by the output projection"
+    )
 
   def weigh(self, cache, stats):
     hq, hkv = stats.head_probs.shape[1], cache.num_kv_heads
