@@ -209,6 +209,22 @@ def test_chunk_and_context_reconstruction_agree_when_one_chunk_holds_the_context
 def test_kvzip_refuses_a_bad_attend_to():
   with pytest.raises(ValueError, match="attend_to must be one of"):
     policies.KVzip(attend_to="everything")
+  for bad in ({"chunk": 0}, {"chunk": 1.5}, {"lookback": -16}, {"lookback": True}):
+    with pytest.raises(ValueError, match=f"KVzip {next(iter(bad))} must be an int >="):
+      policies.KVzip(**bad)
+
+
+def test_a_span_read_refuses_a_span_that_is_not_whole_pages(tiny):
+  model, tokenizer = tiny
+  reader = kvjax.steps.ContextReader(model, tokenizer, kvjax.seam.ModelShape.of(model))
+  state = kvjax.prefill(model, [CONTEXT[:40]], kvjax.CompressionSpec(), tokenizer=tokenizer)
+  for bad in (
+      {"start": 8, "span": 16},
+      {"start": 16, "span": 0},
+      {"start": 16, "span": 16, "lookback": 3},
+  ):
+    with pytest.raises(ValueError, match="must be whole pages of 16 tokens"):
+      reader.read_after_span(state, None, sink=4, **{"lookback": 0, **bad})
 
 
 def test_head_output_gram_gives_the_norm_of_what_a_value_adds_to_the_residual(tiny):

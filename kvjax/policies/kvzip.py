@@ -74,7 +74,6 @@ class KVzip(Policy):
             f"tokens leaves no room in the model context {max_context} (attend_to='chunk' "
             "repeats each chunk after its own span)"
         )
-    context_length = jnp.copy(state.cache.length)
     logits, position = state.logits, state.position
     state = state.replace(
         cache=state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
@@ -84,6 +83,7 @@ class KVzip(Policy):
     step = pages_for(chunk + len(prompt), config.page_size) * config.page_size
     if not local:
       step = min(step, config.max_tokens - longest)
+      context_length = jnp.copy(state.cache.length)  # what each whole-context pass is cut to
     for start in range(0, longest, chunk):
       rows = [prompt + row[start : start + chunk] for row in context.ids]
       piece = EncodedPrompts(rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows])
