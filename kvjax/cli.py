@@ -132,7 +132,16 @@ def spec_from_args(args, sweep: bool = False):
 
   skip = _PER_CONFIG if sweep else ()
   if getattr(args, "spec", None) is None:
-    return _from_args(CompressionSpec, args, skip=skip)
+    given = _given(CompressionSpec, args, skip)
+    if sweep and "allocation" in given:
+      from kvjax.allocation import HeadAllocation
+
+      # An allocation belongs to the policy it was learned on: the swept spec names that
+      # policy (with a placeholder budget) so that it is valid; each configuration then
+      # sets its own policy and budget, and the allocation where the policy is its own.
+      allocation = HeadAllocation.load(given["allocation"])
+      given.update(allocation=allocation, policy=allocation.policy, budget=0.5)
+    return CompressionSpec(**given)
   from kvjax.tuning import load_spec
 
   tuned = load_spec(args.spec)

@@ -155,10 +155,10 @@ def check_options(model=None, *, context_tokens: int, windows: int, held_out: fl
     raise ValueError(f"held_out must be a fraction in (0, 1), got {held_out!r}")
   if int(round(held_out * windows)) >= windows:
     raise ValueError(f"held_out={held_out} leaves none of the {windows} windows to train on")
-  if model is not None and context_tokens > model.config.max_context // 2:
+  if model is not None and context_tokens > model.config.max_context:
     raise ValueError(
-        f"context_tokens={context_tokens}: kvzip repeats the context after it, so it must be "
-        f"at most half the model context ({model.config.max_context // 2})"
+        f"context_tokens={context_tokens} is longer than the model context "
+        f"({model.config.max_context})"
     )
 
 

@@ -1,11 +1,16 @@
 """`kvjax eval ...` and `kvjax bench` on the default model, in --quick mode."""
 
 import json
+import pathlib
 
 import pytest
 
 from kvjax import cli
 from kvjax import eval as E
+from kvjax.eval import _sweep
+
+# A head allocation `kvjax tune` learned on kvzip's scores for the default model.
+ALLOC = str(pathlib.Path(__file__).parents[1] / "docs/results/tune/shipped-text/allocation")
 
 
 def _run(tmp_path, capsys, *argv):
@@ -122,9 +127,23 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
         ),
         (
             ["eval", "passkey", "--fillers", "text", "--text", "SHORT", "--policy", "full"],
-            "too short for 24 window.s. of 2048 tokens",
+            "too short for a window of 2048 tokens",
         ),
         (["eval", "multi-question", "--facts", "0"], "facts must be an int >= 1, got 0"),
+        (
+            [
+                "eval",
+                "fidelity",
+                "--policy",
+                "full",
+                "h2o",
+                "--budget",
+                "0.5",
+                "--allocation",
+                ALLOC,
+            ],
+            "learned on policy 'kvzip', which is not among the policies",
+        ),
         (["eval", "multi-question", "--trials", "0"], "trials must be an int >= 1, got 0"),
         (
             ["eval", "multi-question", "--policy", "full", "--context-tokens", "60"],
@@ -145,3 +164,13 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, argv, message):
   assert line.startswith(f"kvjax {argv[0]}: error: ")
   assert __import__("re").search(message, line), line
   assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_an_allocation_flag_applies_to_the_rows_of_its_own_policy():
+  """`--allocation DIR` on a sweep: the kvzip rows (any options) use it, full and h2o not."""
+  argv = ["eval", "fidelity", "--policy", "full", "kvzip", "kvzip:chunk=256", "h2o"]
+  args = cli.build_parser().parse_args([*argv, "--budget", "0.25", "--allocation", ALLOC])
+  spec = cli.spec_from_args(args, sweep=True)
+  specs, _ = _sweep.configuration_specs(spec, args.policy, args.budget, [2048])
+  used = {c[1]: s.allocation is not None for c, s in specs.items()}
+  assert used == {"full": False, "kvzip": True, "kvzip:chunk=256": True, "h2o": False}

@@ -134,8 +134,8 @@ def test_train_scorer_checks_the_model_then_fails_with_1(tiny, tmp_path, capsys,
   monkeypatch.setattr(training, "train_scorer", _full_disk)
   argv = ["train-scorer", "--text", str(text), "--out", str(tmp_path / "s"), "--quiet"]
   argv += ["--windows", "2", "--held-out", "0.5"]
-  code, line = _main(capsys, *argv, "--context-tokens", "200")
-  assert code == 2 and "at most half the model context (128)" in line
+  code, line = _main(capsys, *argv, "--context-tokens", "300")
+  assert code == 2 and "is longer than the model context (256)" in line
   code, line = _main(capsys, *argv, "--context-tokens", "64")
   assert code == 1 and line.startswith("kvjax train-scorer: failed: OSError: [Errno 28]")
 

@@ -64,6 +64,15 @@ def text_ids(tokenizer):
   return tokenizer.encode(E.default_text()[:20000])
 
 
+def test_case_windows_are_disjoint_where_the_text_holds_them_else_spread_evenly():
+  ids = list(range(100))
+  assert [w[0] for w in _data.windows(ids, 20, 5)] == [0, 20, 40, 60, 80]
+  assert [w[0] for w in _data.windows(ids, 40, 5)] == [0, 15, 30, 45, 60]  # overlapping
+  assert all(len(w) == 40 for w in _data.windows(ids, 40, 5))
+  with pytest.raises(ValueError, match="has 100 tokens, too short for a window of 101 tokens"):
+    _data.windows(ids, 101, 1)
+
+
 def test_default_text_ships_with_the_package():
   text = E.default_text()
   assert len(text) > 500_000 and "hacker" in text
@@ -237,10 +246,11 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
   for bad, message in [
       (dict(facts=0), "facts must be an int >= 1, got 0"),
       (dict(facts=13), "facts must be <= 12"),
-      (dict(trials=40), "too short for 40 window"),
   ]:
     with pytest.raises(ValueError, match=message):
       E.multi_question(model, tokenizer, text_ids, **{**kwargs, **bad})
+  with pytest.raises(ValueError, match="has 150 tokens, too short for a window of 200 tokens"):
+    E.multi_question(model, tokenizer, text_ids[:150], **kwargs)
 
 
 def test_answer_is_the_greedy_continuation_and_rejects_empty_input(tokenizer, monkeypatch):

@@ -233,7 +233,7 @@ def test_bad_scorer_and_training_arguments_are_clear_errors(tiny):
   for bad, match in (
       ({"learning_rate": -1.0}, "learning_rate must be a positive number"),
       ({"steps": 0}, "steps must be an int >= 1"),
-      ({"context_tokens": 600}, "at most half the model context"),
+      ({"context_tokens": 1100}, r"context_tokens=1100 is longer than the model context \(1024\)"),
   ):
     with pytest.raises(ValueError, match=match):
       options = {"context_tokens": 128, **bad}
@@ -258,7 +258,9 @@ def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
       "metrics": {},
   }
   path = _files.write_params(
-      tmp_path / "s", {"weight": weight, "bias": np.zeros((2, 3), np.float32)}, meta,
+      tmp_path / "s",
+      {"weight": weight, "bias": np.zeros((2, 3), np.float32)},
+      meta,
       overwrite=False,
   )
   with pytest.raises(ValueError, match=r"s: not a usable scorer: .*weight holds 1 non-finite"):

@@ -110,13 +110,19 @@ def configuration_specs(
   base = _base(spec)
   # A tuned head allocation (`kvjax tune`) applies to the policy it was learned on.
   allocation = None if spec is None else spec.allocation
+  names = {p: get_policy(p).name for p in expand_policies(policies)}  # "kvzip:chunk=256" is kvzip
+  if allocation is not None and allocation.policy not in names.values():
+    raise ValueError(
+        f"the allocation {allocation.path or ''} was learned on policy {allocation.policy!r}, "
+        f"which is not among the policies {list(policies)}"
+    )
   specs = {
       c: base.replace(
           policy=c[1],
           budget=c[2],
           threshold=threshold if c[2] == "auto" else None,
           scorer=scorer if c[1] == "learned" else None,
-          allocation=allocation if allocation and allocation.policy == c[1] else None,
+          allocation=allocation if allocation and allocation.policy == names[c[1]] else None,
       )
       for c in configurations(expand_policies(policies), budgets, context_tokens)
   }
