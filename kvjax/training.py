@@ -169,7 +169,7 @@ def train_scorer(
     *,
     model_name: str,
     context_tokens: int = 2048,
-    windows: int = 12,
+    windows: int = 24,
     held_out: float = 0.25,
     steps: int = 1500,
     batch: int = 1024,

@@ -119,6 +119,19 @@ def test_user_data_text_and_jsonl(tmp_path, capsys):
             "too short for a passkey",
         ),
         (["bench", "--context-tokens", "9000"], "exceeds the model context 8192"),
+        (
+            [
+                "eval",
+                "passkey",
+                "--policy",
+                "full",
+                "--fillers",
+                "repeat",
+                "--context-tokens",
+                "8192",
+            ],
+            "answer of up to 12 tokens pass the model context 8192: give context_tokens at most 8180",
+        ),
         (["eval", "passkey", "--jsonl", "/nonexistent.jsonl"], "cannot read JSONL file"),
         (["eval", "passkey", "--fillers", "repeat", "nope"], "fillers must be a non-empty list"),
         (

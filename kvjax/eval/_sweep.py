@@ -227,9 +227,15 @@ def _check_request(task, options, policies, budgets, context_tokens, threshold, 
   if not context_tokens or any(not isinstance(n, int) or n < 1 for n in context_tokens):
     raise ValueError(f"context_tokens must be positive ints, got {context_tokens!r}")
   limit = model.config.max_context
+  answer = {
+      "passkey": _tasks.PASSKEY_ANSWER_TOKENS,
+      "multi_question": _tasks.QUESTION_ANSWER_TOKENS,
+  }
   for n in context_tokens:
     if n > limit:
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
+    if task in answer:
+      _tasks.check_room(model, n, answer[task])
   if threshold is not None and "auto" not in budgets:
     raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
 

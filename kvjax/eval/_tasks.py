@@ -77,6 +77,22 @@ def _request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat
   return len(_chat_parts(tokenizer, chat)[0]) + len(context_ids) + max(map(len, questions))
 
 
+# Tokens answered after a request (the sweeps' answers): the request and they must fit the
+# model's context.
+PASSKEY_ANSWER_TOKENS = 12
+QUESTION_ANSWER_TOKENS = 24
+
+
+def check_room(model, request: int, max_new_tokens: int) -> None:
+  """ValueError unless a request of `request` tokens and its answer fit the model's context."""
+  limit = getattr(model.config, "max_context", None)
+  if limit is not None and request + max_new_tokens > limit:
+    raise ValueError(
+        f"a request of {request} tokens and its answer of up to {max_new_tokens} tokens pass "
+        f"the model context {limit}: give context_tokens at most {limit - max_new_tokens}"
+    )
+
+
 def _prefill_context(
     model,
     tokenizer,
@@ -337,7 +353,7 @@ def passkey(
     fillers: Sequence[str] = ("repeat",),
     ids: Sequence[int] | None = None,
     seed: int = 0,
-    max_new_tokens: int = 12,
+    max_new_tokens: int = PASSKEY_ANSWER_TOKENS,
     cases: Sequence[dict] | None = None,
     progress: Callable | None = None,
 ) -> dict:
@@ -360,9 +376,11 @@ def passkey(
     )
   else:
     cases = [{**c, "ids": tokenizer.encode(c["context"])} for c in cases]
-  for case in cases:  # bad budgets fail here, before any case runs
+  for case in cases:  # bad budgets and lengths fail here, before any case runs
     question = _question_ids(tokenizer, case["question"], True)
-    resolve_budget(spec, _request_tokens(tokenizer, case["ids"], [question], True))
+    request = _request_tokens(tokenizer, case["ids"], [question], True)
+    resolve_budget(spec, request)
+    check_room(model, request, max_new_tokens)
 
   def run(case):
     text, peak = _answer(
@@ -476,7 +494,7 @@ def multi_question(
     facts: int = 4,
     trials: int = 6,
     seed: int = 0,
-    max_new_tokens: int = 24,
+    max_new_tokens: int = QUESTION_ANSWER_TOKENS,
     progress: Callable | None = None,
 ) -> dict:
   """Query-agnostic compression: one context compressed once, then several questions.
@@ -493,9 +511,11 @@ def multi_question(
   cases = multi_question_cases(
       tokenizer, ids, context_tokens, facts=facts, trials=trials, seed=seed
   )
-  for case in cases:  # bad budgets fail here, before any case runs
+  for case in cases:  # bad budgets and lengths fail here, before any case runs
     questions = [f["question_ids"] for f in case["facts"]]
-    resolve_budget(spec, _request_tokens(tokenizer, case["ids"], questions, True))
+    request = _request_tokens(tokenizer, case["ids"], questions, True)
+    resolve_budget(spec, request)
+    check_room(model, request, max_new_tokens)
 
   def run(case):
     questions = [f["question_ids"] for f in case["facts"]]
