@@ -212,6 +212,8 @@ def test_kvzip_refuses_a_bad_attend_to():
   for bad in ({"chunk": 0}, {"chunk": 1.5}, {"lookback": -16}, {"lookback": True}):
     with pytest.raises(ValueError, match=f"KVzip {next(iter(bad))} must be an int >="):
       policies.KVzip(**bad)
+  with pytest.raises(ValueError, match="lookback=512 applies to attend_to='chunk'"):
+    policies.get_policy("kvzip:attend_to=context,lookback=512")
 
 
 def test_a_span_read_refuses_a_span_that_is_not_whole_pages(tiny):

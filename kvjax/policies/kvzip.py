@@ -49,6 +49,11 @@ class KVzip(Policy):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"KVzip {name} must be an int >= {low}, got {value!r}")
+    if self.lookback and self.attend_to != "chunk":
+      raise ValueError(
+          f"KVzip lookback={self.lookback} applies to attend_to='chunk' (a pass that sees the "
+          "whole context has nothing to look back to)"
+      )
 
   def score_context(self, reader, state, context, progress=None):
     """Reads the context (not observing: the scores come from repeating it), then has the

@@ -1,0 +1,13 @@
+# Compute (features, targets) for 24 windows once; save for fitting experiments.
+import numpy as np, time
+from models.llama import load_llama
+from kvjax import training
+from kvjax.eval._data import text_windows, default_text
+model, tok = load_llama()
+ids = tok.encode(default_text())
+pairs = text_windows(list(ids), 2048, 0, 24)
+t = time.time()
+for i, (ctx, _) in enumerate(pairs):
+  x, y = training.training_pairs(model, tok, ctx)
+  np.save(f"/tmp/p34/pairs/x{i}.npy", x.astype(np.float16)); np.save(f"/tmp/p34/pairs/y{i}.npy", y)
+  print(i, x.shape, y.shape, round(time.time()-t), flush=True)
