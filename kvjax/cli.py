@@ -64,8 +64,8 @@ def _budget(text: str) -> int | float | str:
 
 _SWEPT = ("policy", "budget")  # eval/bench take several of these and run each
 # eval/bench set these per configuration: the threshold where the budget is 'auto', the
-# scorer where the policy is 'learned'.
-_PER_CONFIG = (*_SWEPT, "threshold", "scorer")
+# scorer where the policy is 'learned', the allocation where the policy is its own.
+_PER_CONFIG = (*_SWEPT, "threshold", "scorer", "allocation")
 
 
 def _flag(name: str) -> str:
@@ -132,16 +132,7 @@ def spec_from_args(args, sweep: bool = False):
 
   skip = _PER_CONFIG if sweep else ()
   if getattr(args, "spec", None) is None:
-    given = _given(CompressionSpec, args, skip)
-    if sweep and "allocation" in given:
-      from kvjax.allocation import HeadAllocation
-
-      # An allocation belongs to the policy it was learned on: the swept spec names that
-      # policy (with a placeholder budget) so that it is valid; each configuration then
-      # sets its own policy and budget, and the allocation where the policy is its own.
-      allocation = HeadAllocation.load(given["allocation"])
-      given.update(allocation=allocation, policy=allocation.policy, budget=0.5)
-    return CompressionSpec(**given)
+    return _from_args(CompressionSpec, args, skip=skip)
   from kvjax.tuning import load_spec
 
   tuned = load_spec(args.spec)
@@ -326,6 +317,7 @@ def _evaluate(args) -> int:
     raise ValueError(f"--context-tokens must be >= 1, got {lengths}")
   if args.threshold is not None and "auto" not in budgets:
     raise ValueError(f"--threshold {args.threshold} applies only with --budget auto")
+  allocation = _sweep.sweep_allocation(spec, args.allocation, policies)
   _sweep.configuration_specs(  # every configuration, checked
       spec,
       policies,
@@ -333,6 +325,7 @@ def _evaluate(args) -> int:
       lengths,
       threshold=args.threshold,
       scorer=args.scorer,
+      allocation=allocation,
       resolve=not (task == "passkey" and args.jsonl),  # lengths known once tokenized
   )
   # Files are read and the output directory checked before the model loads.
@@ -340,6 +333,8 @@ def _evaluate(args) -> int:
   records, text, data = _eval_data(args, task, options)
   model, tokenizer = _load(args.model)
   check_spec_model(args, model)
+  if args.allocation is not None:  # a tuned spec's is checked with the spec
+    allocation.check_model(model)
 
   def keep(partial):  # after each configuration: keep what finished
     # _sweep.run checks every configuration and the data before the first runs, and
@@ -366,6 +361,7 @@ def _evaluate(args) -> int:
       spec=spec,
       threshold=args.threshold,
       scorer=args.scorer,
+      allocation=allocation,
       config={"command": "kvjax " + " ".join(sys.argv[1:]), "quick": quick, "data": data},
       progress=_show_progress(args),
       on_row=keep,

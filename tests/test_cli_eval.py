@@ -184,6 +184,8 @@ def test_an_allocation_flag_applies_to_the_rows_of_its_own_policy():
   argv = ["eval", "fidelity", "--policy", "full", "kvzip", "kvzip:chunk=256", "h2o"]
   args = cli.build_parser().parse_args([*argv, "--budget", "0.25", "--allocation", ALLOC])
   spec = cli.spec_from_args(args, sweep=True)
-  specs, _ = _sweep.configuration_specs(spec, args.policy, args.budget, [2048])
+  specs, _ = _sweep.configuration_specs(
+      spec, args.policy, args.budget, [2048], allocation=args.allocation
+  )
   used = {c[1]: s.allocation is not None for c, s in specs.items()}
   assert used == {"full": False, "kvzip": True, "kvzip:chunk=256": True, "h2o": False}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from kvjax.allocation import HeadAllocation
 from kvjax.eval import _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy
@@ -86,11 +87,28 @@ def _base(spec: CompressionSpec | None) -> CompressionSpec:
   return spec.replace(policy="full", budget=None, threshold=None, scorer=None, allocation=None)
 
 
-def _allocation_record(spec: CompressionSpec | None) -> dict | None:
-  allocation = None if spec is None else spec.allocation
+def _allocation_record(allocation: HeadAllocation | None) -> dict | None:
   if allocation is None:
     return None
   return {"policy": allocation.policy, "path": allocation.path and str(allocation.path)}
+
+
+def sweep_allocation(
+    spec: CompressionSpec | None, allocation: str | HeadAllocation | None, policies
+) -> HeadAllocation | None:
+  """The head allocation a sweep applies to the rows of the policy it was learned on:
+  `allocation` (a directory or a HeadAllocation), else `spec`'s (a tuned spec's). ValueError
+  when that policy is not among `policies` (names with options count as theirs)."""
+  if allocation is None:
+    return None if spec is None else spec.allocation
+  if not isinstance(allocation, HeadAllocation):
+    allocation = HeadAllocation.load(allocation)
+  if allocation.policy not in {get_policy(p).name for p in expand_policies(policies)}:
+    raise ValueError(
+        f"the allocation {allocation.path or ''} was learned on policy {allocation.policy!r}, "
+        f"which is not among the policies {list(policies)}"
+    )
+  return allocation
 
 
 def configuration_specs(
@@ -101,21 +119,16 @@ def configuration_specs(
     *,
     threshold: float | None = None,
     scorer: str | None = None,
+    allocation: str | HeadAllocation | None = None,
     resolve: bool = True,
 ) -> tuple[dict, dict]:
   """Every configuration's spec, {(length, policy, budget): spec}, and (with `resolve`) its
   budget in tokens, built and checked before anything runs: `spec` with each policy and
   budget (`threshold` where the budget is 'auto', `scorer` where the policy is 'learned',
-  `spec`'s allocation where the policy is the one it was learned on)."""
+  the head allocation, `sweep_allocation`, where the policy is the one it was learned on)."""
   base = _base(spec)
-  # A tuned head allocation (`kvjax tune`) applies to the policy it was learned on.
-  allocation = None if spec is None else spec.allocation
+  allocation = sweep_allocation(spec, allocation, policies)
   names = {p: get_policy(p).name for p in expand_policies(policies)}  # "kvzip:chunk=256" is kvzip
-  if allocation is not None and allocation.policy not in names.values():
-    raise ValueError(
-        f"the allocation {allocation.path or ''} was learned on policy {allocation.policy!r}, "
-        f"which is not among the policies {list(policies)}"
-    )
   specs = {
       c: base.replace(
           policy=c[1],
@@ -124,7 +137,7 @@ def configuration_specs(
           scorer=scorer if c[1] == "learned" else None,
           allocation=allocation if allocation and allocation.policy == names[c[1]] else None,
       )
-      for c in configurations(expand_policies(policies), budgets, context_tokens)
+      for c in configurations(list(names), budgets, context_tokens)
   }
   kept = {c: _tasks.resolve_budget(s, c[0]) for c, s in specs.items()} if resolve else {}
   return specs, kept
@@ -144,6 +157,7 @@ def run(
     spec: CompressionSpec | None = None,
     threshold: float | None = None,
     scorer: str | None = None,
+    allocation: str | HeadAllocation | None = None,
     config: dict | None = None,
     progress: bool = True,
     on_row: Callable[[dict], None] | None = None,
@@ -152,7 +166,8 @@ def run(
 
   `spec` holds every other compression choice (sink, page size, ...); each configuration
   is `spec` with its policy and budget (and `threshold` where the budget is 'auto', `scorer`
-  where the policy is 'learned'). `options` are the task's own (windows, depths, ...).
+  where the policy is 'learned', `allocation` or `spec`'s where the policy is the one it was
+  learned on). `options` are the task's own (windows, depths, ...).
   `ids` is the text (fidelity, multi_question, perplexity, retention, bench, and passkey's
   "text" filler); `cases` the user's QA records for passkey (synthetic cases otherwise).
   Every configuration is checked before any runs, so bad input fails fast; a configuration
@@ -164,8 +179,15 @@ def run(
   options = dict(options or {})
   policies = expand_policies(policies)
   _check_request(task, options, policies, budgets, context_tokens, threshold, model)
+  allocation = sweep_allocation(spec, allocation, policies)
   specs, kept = configuration_specs(
-      spec, policies, budgets, context_tokens, threshold=threshold, scorer=scorer
+      spec,
+      policies,
+      budgets,
+      context_tokens,
+      threshold=threshold,
+      scorer=scorer,
+      allocation=allocation,
   )
   grid = list(specs)
   base = _base(spec)
@@ -185,7 +207,7 @@ def run(
               "threshold": threshold,
               "scorer": scorer,
               # A tuned head allocation applies to its own policy's rows (configuration_specs).
-              "allocation": _allocation_record(spec),
+              "allocation": _allocation_record(allocation),
           },
           **options,
       },
@@ -227,15 +249,11 @@ def _check_request(task, options, policies, budgets, context_tokens, threshold, 
   if not context_tokens or any(not isinstance(n, int) or n < 1 for n in context_tokens):
     raise ValueError(f"context_tokens must be positive ints, got {context_tokens!r}")
   limit = model.config.max_context
-  answer = {
-      "passkey": _tasks.PASSKEY_ANSWER_TOKENS,
-      "multi_question": _tasks.QUESTION_ANSWER_TOKENS,
-  }
   for n in context_tokens:
     if n > limit:
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
-    if task in answer:
-      _tasks.check_room(model, n, answer[task])
+    if task in _tasks.ANSWER_TOKENS:
+      _tasks.check_room(model, n, _tasks.ANSWER_TOKENS[task])
   if threshold is not None and "auto" not in budgets:
     raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
 

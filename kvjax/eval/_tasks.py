@@ -77,10 +77,9 @@ def _request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat
   return len(_chat_parts(tokenizer, chat)[0]) + len(context_ids) + max(map(len, questions))
 
 
-# Tokens answered after a request (the sweeps' answers): the request and they must fit the
+# Tokens a task answers after its request, by default: the request and they must fit the
 # model's context.
-PASSKEY_ANSWER_TOKENS = 12
-QUESTION_ANSWER_TOKENS = 24
+ANSWER_TOKENS = {"passkey": 12, "multi_question": 24}
 
 
 def check_room(model, request: int, max_new_tokens: int) -> None:
@@ -353,7 +352,7 @@ def passkey(
     fillers: Sequence[str] = ("repeat",),
     ids: Sequence[int] | None = None,
     seed: int = 0,
-    max_new_tokens: int = PASSKEY_ANSWER_TOKENS,
+    max_new_tokens: int = ANSWER_TOKENS["passkey"],
     cases: Sequence[dict] | None = None,
     progress: Callable | None = None,
 ) -> dict:
@@ -494,7 +493,7 @@ def multi_question(
     facts: int = 4,
     trials: int = 6,
     seed: int = 0,
-    max_new_tokens: int = QUESTION_ANSWER_TOKENS,
+    max_new_tokens: int = ANSWER_TOKENS["multi_question"],
     progress: Callable | None = None,
 ) -> dict:
   """Query-agnostic compression: one context compressed once, then several questions.
