@@ -30,12 +30,19 @@ policy defined outside those packages, whose source may change while its names s
 through JAX's cache only, which keys on the program itself. Sharded steps do too: an
 executable is bound to its devices. `KVJAX_CACHE_DIR=off` turns both caches off,
 `KVJAX_EXECUTABLES=off` the store alone.
+
+`compile_ahead` prepares a step in a background thread from its arguments' shapes (e.g. the
+decode loop while the prompt is read); `compiled` then waits for it instead of compiling it
+again. Tracing holds Python's lock, so steps are traced one at a time; XLA compiles them in
+parallel.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -46,6 +53,7 @@ import pickle
 import pickletools
 import platform
 import sys
+import threading
 import time
 
 import jax
@@ -75,13 +83,18 @@ _HASHED_PACKAGES = ("kvjax", "models", "pallas_kernels")
 _VERSIONED_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "optax")
 
 _KEPT: collections.OrderedDict = collections.OrderedDict()
+_PENDING: dict = {}  # key -> Future of a step `compile_ahead` is preparing
 _STATS = {"compiles": 0, "compile_seconds": 0.0, "loaded": 0, "dropped": 0}
+_LOCK = threading.RLock()  # _KEPT, _PENDING, _STATS and JAX's cache setting
+_TRACING = threading.Lock()  # one step traced at a time (the model's Python is not shared)
 
 
 def compile_stats() -> dict:
   """Steps this process prepared (compiled, or loaded from kvjax's executable store), how
-  many of them came from the store, and the seconds they took."""
-  return {k: _STATS[k] for k in ("compiles", "compile_seconds", "loaded")}
+  many of them came from the store, and the seconds callers waited for them (a step
+  prepared ahead counts only the time a caller still waited for it)."""
+  with _LOCK:
+    return {k: _STATS[k] for k in ("compiles", "compile_seconds", "loaded")}
 
 
 def compiled(fn, statics: dict, *args, returns):
@@ -90,34 +103,125 @@ def compiled(fn, statics: dict, *args, returns):
   `returns(*args)` gives a pytree of `fn`'s output structure without running it (e.g. the
   arguments it hands back updated): a stored step is loaded with it."""
   _use_persistent_cache()
+  key = _key(fn, statics, args)
+  start = time.perf_counter()
+  with _LOCK:
+    if key in _KEPT:
+      _KEPT.move_to_end(key)
+      return _KEPT[key]
+    ahead = _PENDING.get(key)
+  step = None
+  if ahead is not None:
+    try:
+      step = ahead.result()
+    except Exception:  # noqa: BLE001 - prepared again below, where its error is raised
+      step = None
+  if step is None:
+    step = _prepare(key, fn, statics, args, returns)
+  with _LOCK:
+    _STATS["compile_seconds"] += time.perf_counter() - start
+  return step
+
+
+def compile_ahead(fn, statics: dict, *args, returns) -> None:
+  """Starts preparing the step `compiled(fn, statics, *args, returns=returns)` will ask for:
+  traced here (Python's lock serialises tracing anyway), compiled or loaded in a background
+  thread. `args` may be abstract (`jax.ShapeDtypeStruct`s with the real arguments'
+  shardings). Does nothing when the step is ready or on its way, or with several processes
+  (each must compile the same steps in the same order); never raises (a step that cannot
+  be made fails where `compiled` asks for it)."""
+  if jax.process_count() > 1:
+    return
+  _use_persistent_cache()
+  key = _key(fn, statics, args)
+  with _LOCK:
+    if key in _KEPT or key in _PENDING:
+      return
+  try:
+    job = _start(fn, statics, args, returns)
+  except Exception:  # noqa: BLE001 - `compiled` meets the same error, where it is asked for
+    return
+  with _LOCK:
+    _PENDING[key] = _background().submit(_finish_ahead, key, job)
+
+
+@functools.cache
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvjax-compile")
+
+
+def _finish_ahead(key, job):
+  try:
+    return _finish(key, job)
+  finally:
+    with _LOCK:
+      _PENDING.pop(key, None)
+
+
+def _key(fn, statics: dict, args) -> tuple:
   leaves, treedef = jax.tree.flatten(args)
-  key = (
+  return (
       fn,
       tuple(statics.items()),
       treedef,
       # An executable compiled for one layout over a mesh refuses another.
       tuple((jnp.shape(x), jnp.result_type(x), shards.layout_key(x)) for x in leaves),
   )
-  if key in _KEPT:
-    _KEPT.move_to_end(key)
-    return _KEPT[key]
-  start = time.perf_counter()
+
+
+@dataclasses.dataclass
+class _Job:
+  """A step on its way: where the store keeps it, the structures a load needs, and its
+  program (traced and lowered unless the store has it)."""
+
+  fn: object
+  statics: dict
+  args: tuple
+  path: pathlib.Path | None
+  trees: tuple
+  lowered: object | None
+
+
+def _start(fn, statics: dict, args, returns) -> _Job:
+  leaves, treedef = jax.tree.flatten(args)
   path = _store_path(fn, statics, treedef, leaves)
   trees = (jax.tree.structure((args, {})), jax.tree.structure(returns(*args)))
-  step = _load(path, *trees) if path is not None else None
+  job = _Job(fn, statics, args, path, trees, None)
+  if path is None or not path.exists():
+    _lower(job)
+  return job
+
+
+def _lower(job: _Job) -> None:
+  with _TRACING:
+    job.lowered = job.fn.lower(*job.args, **job.statics)
+
+
+def _prepare(key, fn, statics: dict, args, returns):
+  """The step from the store, JAX's cache or XLA (see the module docstring), kept."""
+  return _finish(key, _start(fn, statics, args, returns))
+
+
+def _finish(key, job: _Job):
+  step = None
+  if job.lowered is None:
+    step = _load(job.path, *job.trees)
+    if step is None:  # unreadable or not ours: removed, made again
+      _lower(job)
   if step is not None:
-    _STATS["loaded"] += 1
-  elif path is None:
-    step = fn.lower(*args, **statics).compile()
+    with _LOCK:
+      _STATS["loaded"] += 1
+  elif job.path is None:
+    step = job.lowered.compile()
   else:
     hits = _JAX_CACHE_HITS[0]
     with _without_jax_cache():
-      step = fn.lower(*args, **statics).compile()
+      step = job.lowered.compile()
     if _JAX_CACHE_HITS[0] == hits:
-      _save(path, step, *trees)
-  _STATS["compiles"] += 1
-  _STATS["compile_seconds"] += time.perf_counter() - start
-  _keep(key, step)
+      _save(job.path, step, *job.trees)
+  with _LOCK:
+    _STATS["compiles"] += 1
+    _keep(key, step)
   return step
 
 
@@ -133,8 +237,9 @@ def _keep(key, step) -> None:
     # vm.max_map_count, 65530, after ~140 executables: a service that sees many shapes
     # would crash. Clearing JAX's caches now and then (and collecting the cycles that hold
     # the executables) frees what kvjax dropped; the steps kept here stay compiled.
-    jax.clear_caches()
-    gc.collect()
+    with _TRACING:  # not under a step being traced in another thread
+      jax.clear_caches()
+      gc.collect()
 
 
 @functools.cache
@@ -227,10 +332,16 @@ def _store_path(fn, statics: dict, treedef, leaves) -> pathlib.Path | None:
       made_of,
       str(treedef),
       # jax.typeof says shape, dtype and weak type: all change the program.
-      repr([(str(jax.typeof(x)), str(getattr(x, "device", ""))) for x in leaves]),
+      repr([(str(jax.typeof(x)), _devices(x)) for x in leaves]),
   ):
     digest.update(part if isinstance(part, bytes) else part.encode())
   return store / f"{fn.__name__}-{digest.hexdigest()[:40]}.bin"
+
+
+def _devices(x) -> str:
+  """The devices an argument lives on (an array's or a `jax.ShapeDtypeStruct`'s)."""
+  sharding = getattr(x, "sharding", None)
+  return "" if sharding is None else repr(sorted(str(d) for d in sharding.device_set))
 
 
 def store_enabled() -> bool:
@@ -322,19 +433,29 @@ def _count_jax_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_jax_cache_hits)
 
 
+_CACHE_OFF = {"depth": 0, "enabled": None}  # steps compiling with JAX's cache off
+
+
 @contextlib.contextmanager
 def _without_jax_cache():
+  """JAX's persistent cache off while any step the store keeps compiles (in any thread)."""
   from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  jax_cache.reset_cache()  # it reads the setting once, when first used
+  with _LOCK:
+    if _CACHE_OFF["depth"] == 0:
+      _CACHE_OFF["enabled"] = jax.config.jax_enable_compilation_cache
+      jax.config.update("jax_enable_compilation_cache", False)
+      jax_cache.reset_cache()  # it reads the setting once, when first used
+    _CACHE_OFF["depth"] += 1
   try:
     yield
   finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    jax_cache.reset_cache()
-    _AuthenticatedCache.install()  # the reset dropped it
+    with _LOCK:
+      _CACHE_OFF["depth"] -= 1
+      if _CACHE_OFF["depth"] == 0:
+        jax.config.update("jax_enable_compilation_cache", _CACHE_OFF["enabled"])
+        jax_cache.reset_cache()
+        _AuthenticatedCache.install()  # the reset dropped it
 
 
 def _load(path: pathlib.Path, in_tree, out_tree):

@@ -67,15 +67,31 @@ def prefill(
       by its `partition` rules. The state keeps the mesh: `decode`/`extend` run sharded.
   """
   spec = CompressionSpec() if spec is None else spec
+  begun = begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh)
+  return read(model, begun, tokenizer, progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class Begun:
+  """A prefill begun (`begin`): the new state, nothing read yet, and what `read` needs."""
+
+  state: State
+  encoded: EncodedPrompts
+  shape: ModelShape
+  reserve: int  # clipped to the model context
+
+
+def read(model, begun: Begun, tokenizer=None, progress=None) -> State:
+  """The rest of `prefill` after `begin`: the prompts read (and the context compressed, for
+  a policy that compresses it once). Between the two, the new state's shapes are known:
+  `kvjax.generate` starts compiling its decode loop there."""
   if progress is not None and not callable(progress):
     raise TypeError(f"progress must be a callable(done, total) or None, got {progress!r}")
-  state, encoded, shape, reserve = _begin(
-      model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh
-  )
+  state, encoded = begun.state, begun.encoded
   if not state.plan.compresses_after_prefill:
     return steps.prefill_chunks(model, state, encoded, state.key, progress)
-  state = _read_and_score(model, state, encoded, tokenizer, shape, progress)
-  return pool.compress(state, reserve)
+  state = _read_and_score(model, state, encoded, tokenizer, begun.shape, progress)
+  return pool.compress(state, begun.reserve)
 
 
 def context_scores(
@@ -110,8 +126,8 @@ def scored_context(
         "context_scores needs a CompressionSpec whose policy compresses the context once "
         f"(e.g. kvzip, learned, expected_attention), got {spec!r}"
     )
-  state, encoded, shape, _ = _begin(model, prompts, spec, tokenizer, chat, 0, 0, None)
-  state = _read_and_score(model, state, encoded, tokenizer, shape)
+  begun = begin(model, prompts, spec, tokenizer, chat, 0, 0, None)
+  state = _read_and_score(model, begun.state, begun.encoded, tokenizer, begun.shape)
   cache = state.cache
   check_status(cache)
   return ScoredContext(
@@ -192,9 +208,7 @@ def decode(
           f"{forced.shape} {forced.dtype}"
       )
     forced = forced.astype(jnp.int32)
-  stop = np.asarray(list(stop_tokens) or [-1], np.int32)
-  if stop.ndim != 1:
-    raise ValueError(f"stop_tokens must be a list of ids, got {stop_tokens!r}")
+  stop = steps.stop_array(stop_tokens)
   state = pool.fit(state, shape, max_new_tokens, donate)
   return steps.run_decode(
       model, state, max_new_tokens, sampling, stop, forced, return_logits, evict
@@ -213,9 +227,9 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
   return copies[0] if num is None else copies
 
 
-def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None):
-  """A new state for `prompts` (nothing read yet) with the cache `spec` plans for them;
-  returns (state, encoded prompts, model shape, reserve clipped to the model context)."""
+def begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None) -> Begun:
+  """The first part of `prefill` (its checks; the arguments are `prefill`'s): a new state
+  for `prompts`, nothing read yet, with the cache `spec` plans for them."""
   if not isinstance(spec, CompressionSpec):
     raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
   shape = ModelShape.of(model)
@@ -264,7 +278,7 @@ def _begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None)
       peak_pages=jax.device_put(np.int32(0)),
       plan=dataclasses.replace(plan, config=None),  # the cache holds the layout
   )
-  return laid_out(state), encoded, shape, reserve
+  return Begun(laid_out(state), encoded, shape, reserve)
 
 
 def _check_placement(model, mesh) -> None:

@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import sharding as shards
 from kvjax.cache import WARNINGS, NumericsError, PagedKVCache, Status, check_status
-from kvjax.compilation import compile_stats, compiled
+from kvjax.compilation import compile_ahead, compile_stats, compiled
 from kvjax.eviction import truncate as truncate_cache
 from kvjax.pages import pages_for
 from kvjax.prompts import EncodedPrompts
@@ -238,6 +238,57 @@ def _decode_returns(params, decoding, *_):
   return decoding  # `_decode`'s output structure (`compiled`)
 
 
+def stop_array(stop_tokens) -> np.ndarray:
+  """Stop ids as the decode loop takes them ([-1] for none)."""
+  stop = np.asarray(list(stop_tokens) or [-1], np.int32)
+  if stop.ndim != 1:
+    raise ValueError(f"stop_tokens must be a list of ids, got {stop_tokens!r}")
+  return stop
+
+
+def _decode_call(
+    model, state: State, max_new_tokens: int, sampling: Sampling, stop, forced, return_logits, evict
+):
+  """The decode loop's arguments (the state's arrays, fresh token buffers) and static
+  values."""
+  b = state.batch_size
+  vocab = state.logits.shape[-1]
+  decoding = _Decoding(
+      state=state,
+      tokens=jax.device_put(np.zeros((b, max_new_tokens), np.int32)),
+      num_generated=jax.device_put(np.zeros((b,), np.int32)),
+      stopped=jax.device_put(np.zeros((b,), bool)),
+      step=jax.device_put(np.int32(0)),
+      recorded=jnp.zeros((b, max_new_tokens, vocab), jnp.float32) if return_logits else None,
+  )
+  graphdef, params = nnx.split(model)
+  mesh = state.cache.mesh
+  args = (
+      params,
+      laid_out(decoding),
+      shards.replicated(jax.device_put(stop), mesh),
+      shards.replicated(sampling.arrays(), mesh),
+      None if forced is None else shards.rows(forced, mesh),
+  )
+  return args, {"graphdef": graphdef, "evict": evict}
+
+
+def compile_decode_ahead(
+    model, state: State, max_new_tokens: int, sampling: Sampling, stop, evict=True
+) -> None:
+  """Starts compiling, in the background, the decode loop `run_decode` will run on `state`
+  once it is prefilled (same shapes; no forced tokens, no logits recorded): e.g. while the
+  prompt is read. Nothing of `state` is read or kept."""
+  args, statics = _decode_call(model, state, max_new_tokens, sampling, stop, None, False, evict)
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
+      ),
+      args,
+  )
+  compile_ahead(_decode, statics, *abstract, returns=_decode_returns)
+
+
 def run_decode(
     model,
     state: State,
@@ -251,28 +302,12 @@ def run_decode(
   """`decode` after its checks: the compiled loop over a state with room for the tokens
   (donated), its status checked, the tokens and stats read back."""
   b = state.batch_size
-  vocab = state.logits.shape[-1]
-  decoding = _Decoding(
-      state=state,
-      tokens=jax.device_put(np.zeros((b, max_new_tokens), np.int32)),
-      num_generated=jax.device_put(np.zeros((b,), np.int32)),
-      stopped=jax.device_put(np.zeros((b,), bool)),
-      step=jax.device_put(np.int32(0)),
-      recorded=jnp.zeros((b, max_new_tokens, vocab), jnp.float32) if return_logits else None,
-  )
-  decoding = laid_out(decoding)
   was_done = shards.to_host(state.done)
-  graphdef, params = nnx.split(model)
   before = compile_stats()
-  mesh = state.cache.mesh
-  args = (
-      params,
-      decoding,
-      shards.replicated(jax.device_put(stop), mesh),
-      shards.replicated(sampling.arrays(), mesh),
-      None if forced is None else shards.rows(forced, mesh),
+  args, statics = _decode_call(
+      model, state, max_new_tokens, sampling, stop, forced, return_logits, evict
   )
-  loop = compiled(_decode, {"graphdef": graphdef, "evict": evict}, *args, returns=_decode_returns)
+  loop = compiled(_decode, statics, *args, returns=_decode_returns)
   start = time.perf_counter()
   decoding = jax.block_until_ready(loop(*args))
   seconds = time.perf_counter() - start

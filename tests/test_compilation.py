@@ -121,3 +121,34 @@ def test_only_the_code_kvjax_can_pin_is_trusted():
   assert compilation._code_is_pinned("collections")
   assert not compilation._code_is_pinned("__main__")
   assert not compilation._code_is_pinned("my_models.llama")
+
+
+def test_a_step_compiled_ahead_is_waited_for_not_compiled_again(store):
+  traced = []
+
+  @jax.jit
+  def double(x):
+    traced.append(x.shape)
+    return 2 * x
+
+  x = jax.numpy.arange(6.0).reshape(2, 3)
+  abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  before = kvjax.compile_stats()
+  compilation.compile_ahead(double, {}, abstract, returns=lambda x: x)
+  compilation.compile_ahead(double, {}, abstract, returns=lambda x: x)  # on its way: nothing
+  step = compilation.compiled(double, {}, x, returns=lambda x: x)
+  assert traced == [(2, 3)]
+  assert kvjax.compile_stats()["compiles"] - before["compiles"] == 1
+  assert compilation.compiled(double, {}, x, returns=lambda x: x) is step
+  assert (step(x) == 2 * x).all()
+
+
+def test_a_step_that_cannot_be_compiled_ahead_fails_where_it_is_asked_for(store):
+  @jax.jit
+  def broken(x):
+    raise RuntimeError("no such step")
+
+  x = jax.numpy.zeros(3)
+  compilation.compile_ahead(broken, {}, x, returns=lambda x: x)  # never raises
+  with pytest.raises(RuntimeError, match="no such step"):
+    compilation.compiled(broken, {}, x, returns=lambda x: x)

@@ -1,3 +1,4 @@
+import functools
 import itertools
 
 import jax
@@ -237,3 +238,46 @@ def test_live_blocks_reject_bad_arguments(change, match):
   block_tokens = change.pop("block_tokens", 8)
   with pytest.raises(ValueError, match=match):
     paged_attention_live_blocks(**{**args, **change}, block_tokens=block_tokens)
+
+
+@pytest.mark.parametrize("page_size, group", [(1, 1), (4, 3), (16, 3)])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1], [3, 9], [17, 0, 33], [64, 5]],  # under the narrowest prefix .. the whole table
+)
+def test_decode_reads_a_live_prefix_and_matches_the_reference(
+    monkeypatch, page_size, group, lengths
+):
+  """One query per row reads the narrowest power-of-two prefix of the table holding every
+  live page: outputs, probabilities (zero past the prefix) and lse equal the reference's
+  over the whole (NaN-poisoned) table, for every prefix width and an empty sequence."""
+  import pallas_kernels.paged_attention as attention
+
+  monkeypatch.setattr(attention, "PREFIX_MIN_TOKENS", 4)  # several widths in a small table
+  rng = np.random.default_rng(page_size * 10 + group + len(lengths))
+  m = -(-64 // page_size)  # 64 tokens of table: widths of 4, 8, .., 64 tokens
+  b = len(lengths)
+  q, kp, vp, table, lens, _, _ = paged_pool(
+      rng, page_size, 2, group, [max(x, 1) for x in lengths], m, 16, b * 2 * m + 3
+  )
+  lens[np.asarray(lengths) == 0] = 0
+  num_queries = (np.asarray(lengths) > 0).astype(np.int32)
+  args = tuple(map(jnp.asarray, (q, kp, vp, table, lens, num_queries)))
+  widths = attention.prefix_widths(m, page_size)
+  assert widths[-1] == m and len(widths) > 1
+  for per_query_head in (False, True):
+    run = jax.jit(
+        functools.partial(
+            attention.paged_attention_live_prefix, per_query_head=per_query_head, return_lse=True
+        )
+    )
+    out, probs, lse = run(*args)
+    ref_out, ref_probs = paged_attention_reference(*args, per_query_head=per_query_head)
+    ref_lse = attention.paged_attention_lse_reference(args[0], args[1], args[3], args[4], args[5])
+    assert not np.isnan(np.asarray(out)).any()
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(probs, ref_probs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+  out, probs = attention.paged_attention(*args, return_probs=False, impl="ref")
+  assert probs is None
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)

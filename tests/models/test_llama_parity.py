@@ -248,3 +248,17 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, case, page_size, shard):
     plain = make_forward(Llama.from_params(dataclasses.replace(config, rope_scaling=None), params))
     unscaled = jax_greedy(plain, cache, prompt, 1)[0]
     assert max_diff(unscaled, theirs_prefill) > 100 * TOL
+
+
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (1, 1, 5), (2, 1, 5), (3, 4, 5)])
+def test_linear_equals_the_matmul_for_any_rows(shape):
+  """`linear` pads a one-row product to two rows (a compile-time saving on XLA:CPU): the
+  result is the plain product's, in the input's shape."""
+  from models.llama import linear
+
+  rng = np.random.default_rng(len(shape))
+  x = rng.normal(size=shape).astype(np.float32)
+  w = rng.normal(size=(5, 7)).astype(np.float32)
+  got = jax.jit(linear)(x, w)
+  assert got.shape == shape[:-1] + (7,)
+  np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
