@@ -1,5 +1,6 @@
-"""Sampling: greedy, or temperature, top-k and top-p; traced values, so changing them does
-not compile again."""
+"""Sampling: greedy, or temperature, top-k and top-p. The values are traced: changing them
+compiles nothing, except a switch between greedy (temperature 0) and sampling, which the
+decode loop compiles once each (greedy leaves the sampler out of the program)."""
 
 from __future__ import annotations
 

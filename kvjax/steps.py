@@ -168,10 +168,13 @@ class _Decoding:
   recorded: Float[Array, "B N V"] | None  # the logits each token was chosen from
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "evict"), donate_argnames="decoding")
-def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graphdef, evict):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "evict", "greedy"), donate_argnames="decoding"
+)
+def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graphdef, evict, greedy):
   """Decode steps until every row has its tokens or stopped, or the cache fails. Every
-  emitted token is fed, so the state continues after the last one."""
+  emitted token is fed, so the state continues after the last one. `greedy` (temperature
+  0) leaves the sampler out of the program: a fifth of the loop's compile time on CPU."""
   model = nnx.merge(graphdef, params)
   temperature, top_k, top_p = sampling
   max_new = decoding.tokens.shape[1]
@@ -189,7 +192,9 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
   def body(d: _Decoding):
     s = d.state
     key, sub, evict_key = jax.random.split(s.key, 3)
-    if forced is None:
+    if forced is None and greedy:
+      token = jnp.argmax(s.logits, axis=-1).astype(jnp.int32)
+    elif forced is None:
       token = sample(s.logits, sub, temperature, top_k, top_p)
     else:
       token = forced[rows, jnp.minimum(d.num_generated, max_new - 1)]
@@ -270,7 +275,7 @@ def _decode_call(
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
-  return args, {"graphdef": graphdef, "evict": evict}
+  return args, {"graphdef": graphdef, "evict": evict, "greedy": sampling.temperature == 0}
 
 
 def compile_decode_ahead(

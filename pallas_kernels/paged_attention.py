@@ -680,7 +680,7 @@ def paged_attention(
   return result
 
 
-PREFIX_MIN_TOKENS = 256  # the narrowest prefix `paged_attention_live_prefix` reads
+PREFIX_MIN_TOKENS = 512  # the narrowest prefix `paged_attention_live_prefix` reads
 
 
 def prefix_widths(pages: int, page_size: int) -> tuple[int, ...]:

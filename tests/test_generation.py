@@ -57,6 +57,20 @@ def test_decode_compiles_once_for_a_whole_generation():
   assert again.stats["compiles"] == 0
 
 
+def test_sampling_values_compile_nothing_new_but_greedy_is_its_own_loop():
+  """Temperature, top-k and top-p are traced; greedy (temperature 0) leaves the sampler out
+  of the loop, so switching to sampling compiles one more loop, and no more after it."""
+  model, tokenizer = _tiny_model(), ByteTokenizer()
+  compilation._KEPT.clear()
+  run = lambda **s: kvjax.generate(  # noqa: E731
+      model, tokenizer, ["hello"], max_new_tokens=4, sampling=kvjax.Sampling(**s)
+  )
+  assert run().stats["compiles"] == 2  # the prefill chunk and the greedy loop
+  assert run(temperature=0.7).stats["compiles"] == 1  # the sampling loop
+  assert run(temperature=1.3, top_k=5, top_p=0.9).stats["compiles"] == 0
+  assert run().stats["compiles"] == 0
+
+
 def test_sampling_is_reproducible_and_respects_top_k():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
   key = jax.random.key(3)

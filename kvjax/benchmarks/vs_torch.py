@@ -14,7 +14,16 @@ first pass (kvjax compiles what its shape buckets need) and again. Prints markdo
 
 runs only the request sequence, with JAX's persistent compilation cache in an empty
 temporary directory: the first pass then compiles everything (a new machine); without
-`--cold` a fresh process loads what an earlier run stored there.
+`--cold` a fresh process loads what an earlier run stored there. With `--part all` the
+sequence runs first (before anything else compiles).
+
+    python -m kvjax.benchmarks.vs_torch --part first-requests
+
+a new user's first minutes, in one run: a fresh process with an empty cache directory runs
+the sequence (first pass, again) and then the 2048-token prefill and decode rounds; a
+second fresh process runs the sequence once more with the directory the first one left
+(what every later process of that user sees). One table of kvjax's time against
+transformers'.
 
 When `llama-cpp-python` is installed (it is no kvjax dependency: `pip install
 llama-cpp-python` builds llama.cpp from source), the table gains llama.cpp as an anchor:
@@ -26,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import pathlib
 import platform
-import tempfile
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 
@@ -146,13 +158,22 @@ def main(argv=None):
   parser.add_argument("--policy", default="h2o")
   parser.add_argument("--budget", type=int, default=256)
   parser.add_argument("--new-tokens", type=int, default=8, help="per request of the sequence")
-  parser.add_argument("--part", choices=("all", "table", "sequence"), default="all")
+  parser.add_argument(
+      "--part", choices=("all", "table", "sequence", "first-requests"), default="all"
+  )
   parser.add_argument(
       "--cold", action="store_true", help="empty compilation cache (a temporary KVJAX_CACHE_DIR)"
   )
+  parser.add_argument("--cache-dir", help="kvjax's cache directory for this run (KVJAX_CACHE_DIR)")
+  parser.add_argument("--passes", type=int, default=2, help="of the request sequence (1: first)")
+  parser.add_argument("--json", help="also write the measurements to this file")
   args = parser.parse_args(argv)
+  if args.part == "first-requests":
+    return _first_requests(args)
   if args.cold:
     os.environ["KVJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-cold-")
+  elif args.cache_dir:
+    os.environ["KVJAX_CACHE_DIR"] = args.cache_dir
   warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache renames
   transformers.logging.set_verbosity_error()
 
@@ -170,10 +191,51 @@ def main(argv=None):
       f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "
       f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}\n"
   )
-  if args.part != "sequence":
-    _table(args, model, ref, ids, anchor)
+  measured = {}
+  # The sequence first: in a fresh process nothing else has compiled its steps yet.
   if args.part != "table":
-    _sequence(args, model, tok, ref, ids)
+    measured["sequence"] = _sequence(args, model, tok, ref, ids)
+  if args.part != "sequence":
+    measured["table"] = _table(args, model, ref, ids, anchor)
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(measured, indent=1))
+
+
+def _first_requests(args):
+  """Two fresh processes over one new cache directory (see the module docstring)."""
+  directory = tempfile.mkdtemp(prefix="kvjax-first-")
+  common = [sys.executable, "-m", "kvjax.benchmarks.vs_torch", "--cache-dir", directory]
+  runs = {}
+  for name, extra in (
+      ("empty", ["--part", "all", "--lengths", "2048", "--repeats", str(args.repeats)]),
+      ("warm", ["--part", "sequence", "--passes", "1"]),
+  ):
+    out = pathlib.Path(directory) / f"{name}.json"
+    command = common + extra + ["--json", str(out), "--decode-steps", str(args.decode_steps)]
+    subprocess.run(command, check=True, stdout=sys.stderr)  # their own tables, for the log
+    runs[name] = json.loads(out.read_text())
+  first, again = runs["empty"]["sequence"]
+  (warm,) = runs["warm"]["sequence"]
+  (row,) = runs["empty"]["table"]
+  print(
+      "| | kvjax | transformers | kvjax time / transformers time |\n|---|---:|---:|---:|\n"
+      f"| the sequence's first pass, empty cache directory | {first['kvjax']:.1f} s "
+      f"| {first['transformers']:.1f} s | **{first['ratio']:.2f}** |\n"
+      f"| the sequence again, same process | {again['kvjax']:.1f} s "
+      f"| {again['transformers']:.1f} s | {again['ratio']:.2f} |\n"
+      f"| the sequence in a second process (cache directory warm) | {warm['kvjax']:.1f} s "
+      f"| {warm['transformers']:.1f} s | {warm['ratio']:.2f} |\n"
+      f"| prefill {row['tokens']} tokens (median of {args.repeats}), first process "
+      f"| {row['tokens'] / row['prefill_tok_s']['full']:.2f} s "
+      f"| {row['tokens'] / row['prefill_tok_s']['transformers']:.2f} s "
+      f"| {row['prefill_tok_s']['transformers'] / row['prefill_tok_s']['full']:.2f} |\n"
+      f"| decode ms/token after {row['tokens']} tokens, first process "
+      f"| {row['decode_ms']['full']:.1f} | {row['decode_ms']['transformers']:.1f} "
+      f"| {row['decode_ms']['full'] / row['decode_ms']['transformers']:.2f} |\n\n"
+      f"Steps compiled or loaded in the first pass: {first['steps']} ({first['loaded']} "
+      f"loaded; {first['compile_seconds']:.1f} s waited), in the second process: "
+      f"{warm['steps']} ({warm['loaded']} loaded; {warm['compile_seconds']:.1f} s)."
+  )
 
 
 def _table(args, model, ref, ids, anchor=None):
@@ -186,6 +248,7 @@ def _table(args, model, ref, ids, anchor=None):
       + ("" if anchor is None else " llama.cpp f32 prefill tok/s | decode ms/token |")
   )
   print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("" if anchor is None else "---:|---:|"))
+  rows = []
   for n in args.lengths:
     prompt = ids[:n]
     for spec in (full, compressed):  # compile outside the timed rounds
@@ -221,10 +284,27 @@ def _table(args, model, ref, ids, anchor=None):
         f"| {med['torch_d'] / med['full_d']:.2f} |{cpp}",
         flush=True,
     )
+    rows.append(
+        {
+            "tokens": n,
+            "prefill_tok_s": {
+                "full": n / med["full_p"],
+                "compressed": n / med["comp_p"],
+                "transformers": n / med["torch_p"],
+            },
+            "decode_ms": {
+                "full": 1e3 * med["full_d"],
+                "compressed": 1e3 * med["comp_d"],
+                "transformers": 1e3 * med["torch_d"],
+            },
+        }
+    )
+  return rows
 
 
 def _sequence(args, model, tok, ref, ids):
   cache = "empty (--cold)" if args.cold else "as left by earlier runs"
+  rows = []
   print(
       f"\nThe request sequence ({', '.join(map(str, SEQUENCE))} tokens, {args.new_tokens} new "
       "tokens each, greedy), seconds in all (fastest-slowest request); JAX's "
@@ -238,7 +318,7 @@ def _sequence(args, model, tok, ref, ids):
   rng = np.random.default_rng(0)
   starts = rng.integers(0, len(ids) - max(SEQUENCE), len(SEQUENCE))
   prompts = [ids[s : s + n] for s, n in zip(starts, SEQUENCE)]
-  for name in ("first", "again"):
+  for name in ("first", "again")[: args.passes]:
     ours, theirs, compiles, loaded, compiling = [], [], 0, 0, 0.0
     for prompt in prompts:
       start = time.perf_counter()
@@ -255,6 +335,18 @@ def _sequence(args, model, tok, ref, ids):
         f"| {sum(ours) / sum(theirs):.2f} |",
         flush=True,
     )
+    rows.append(
+        {
+            "pass": name,
+            "kvjax": sum(ours),
+            "transformers": sum(theirs),
+            "ratio": sum(ours) / sum(theirs),
+            "steps": compiles,
+            "loaded": loaded,
+            "compile_seconds": compiling,
+        }
+    )
+  return rows
 
 
 if __name__ == "__main__":
