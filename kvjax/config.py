@@ -34,8 +34,8 @@ class CacheConfig:
     sink: the first `sink` tokens of every sequence are never evicted.
     recent: the last `recent` tokens of every sequence are never evicted.
     threshold: eviction runs once a sequence holds more than this many tokens;
-      defaults to `budget` + one page (`kvjax.sizing.margin`), so eviction is amortised
-      over a page of tokens.
+      defaults to `budget` + a sixteenth of it in whole pages, at least one
+      (`kvjax.sizing.margin`), so eviction is amortised over that many new tokens.
     group_size: eviction granularity: `page_size` drops whole pages (a page-table
       operation), 1 drops single tokens and compacts the survivors.
     group_reduce: how token scores combine into a group's importance: mean, sum or max.
@@ -94,7 +94,11 @@ class CacheConfig:
         )
       if group_size > 1 and self.budget % group_size:
         fail(f"group_size={group_size} must divide budget={self.budget} for block eviction")
-      threshold = self.budget + margin(self.page_size) if self.threshold is None else self.threshold
+      threshold = (
+          self.budget + margin(self.page_size, self.budget)
+          if self.threshold is None
+          else self.threshold
+      )
       if not isinstance(threshold, int) or isinstance(threshold, bool):
         fail(f"threshold must be an int, got {threshold!r}")
       if not self.budget <= threshold < self.max_tokens:

@@ -232,7 +232,8 @@ def _check_policy(model, policy, prompts, tokenizer, auto_is_reference):
   if not np.isfinite(np.asarray(state.logits)).all():
     return False, "non-finite logits"
   length = np.asarray(state.cache.length)  # [L, B, H]
-  # A row keeps its budget per sequence, plus at most a page of margin and a prefill chunk
+  # A row keeps its budget per sequence, plus at most its margin (a page at this budget) and
+  # a prefill chunk
   # (a global ranking moves tokens between sequences, not above this).
   bound = length.shape[0] * length.shape[2] * (24 + 8 + 16)
   held = int(length.sum(axis=(0, 2)).max())

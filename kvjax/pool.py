@@ -45,7 +45,7 @@ def fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     # evicted) may grow by a margin and a chunk before eviction brings it back.
     heads = cache.num_kv_heads if eviction.per_head else 1
     budget = np.asarray(eviction.layer_budget)[:, None, None] * heads  # [L, 1, 1]
-    peak = sizing.peak_tokens(budget, ps, state.plan.chunk, floor=length)
+    peak = sizing.peak_tokens(budget, cfg.margin * heads, state.plan.chunk, floor=length)
     target = np.minimum(length + more, peak)
     needed = shard_total(np.maximum(pages.pages_for(target, ps) - held, 0))
     capacity = max(cfg.max_tokens, pages.whole_pages(int(target.max()), ps))

@@ -32,17 +32,24 @@ def growth_room(more: int, capacity: int) -> int:
   return max(more, capacity // 2)
 
 
-def margin(page_size: int) -> int:
-  """Tokens a sequence may pass its budget by before eviction runs: one page, so eviction
-  is amortised over a page of tokens."""
-  return page_size
+MARGIN_SHARE = 16  # eviction runs once per budget / MARGIN_SHARE new tokens
 
 
-def peak_tokens(budget, page_size: int, chunk: int, floor=0):
+def margin(page_size: int, budget: int) -> int:
+  """Tokens a sequence may pass its budget by before eviction runs: a sixteenth of the
+  budget in whole pages, at least one page. An event ranks and moves every kept token, so
+  its cost grows with the budget; so does the number of new tokens it is amortised over,
+  and eviction's share of a decode step stays flat (one page at every budget made it 5-6 %
+  of a step at budget 1024)."""
+  return max(1, budget // (MARGIN_SHARE * page_size)) * page_size
+
+
+def peak_tokens(budget, margin_tokens, chunk: int, floor=0):
   """Tokens a sequence holds at its peak under eviction: its budget (or `floor`, tokens
-  eviction cannot remove: protected tokens, or what it holds already), the margin, and one
-  chunk appended before eviction runs. Ints or NumPy arrays."""
-  peak = np.maximum(budget, floor) + margin(page_size) + chunk
+  eviction cannot remove: protected tokens, or what it holds already), the margin its
+  cache evicts at (`CacheConfig.margin`), and one chunk appended before eviction runs.
+  Ints or NumPy arrays."""
+  peak = np.maximum(budget, floor) + margin_tokens + chunk
   return int(peak) if np.ndim(peak) == 0 else peak
 
 
@@ -52,6 +59,7 @@ def layer_pages(
     heads: int,
     shared: bool,
     page_size: int,
+    margin_tokens: int,
     chunk: int,
     protected: int,
     request: int,
@@ -61,7 +69,7 @@ def layer_pages(
   over the layer, plus a partly filled page per head), and never more than the request
   (`request` tokens per sequence, at least the budget): the pool never exceeds the full
   cache's for the same batch."""
-  peak = pages_for(peak_tokens(budget, page_size, chunk, protected), page_size)
+  peak = pages_for(peak_tokens(budget, margin_tokens, chunk, protected), page_size)
   evicting = heads * peak + (heads if shared else 0)
   return min(evicting, heads * pages_for(max(request, budget), page_size))
 
@@ -77,7 +85,7 @@ def held_pages_bound(
     return sequences * pages_for(length, page_size)
   if once:
     return (budget * sequences + sequences * (page_size - 1)) // page_size
-  return sequences * pages_for(budget + margin(page_size), page_size)
+  return sequences * pages_for(budget + margin(page_size, budget), page_size)
 
 
 def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:

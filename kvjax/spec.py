@@ -349,9 +349,9 @@ class CompressionSpec:
     """Sizes the cache for `batch` rows whose longest prompt is `longest` tokens, with room
     for `reserve` more tokens per row with the full cache (decode, follow-ups).
 
-    With eviction, page tables hold a layer's budget plus the margin (one page: eviction runs
-    once a sequence passes its budget by a page, so it is amortised over a page of tokens)
-    plus one prefill chunk, and the pool holds exactly what the budgets allow at that peak.
+    With eviction, page tables hold a layer's budget plus the margin (eviction runs once a
+    sequence passes its budget by a sixteenth of it, at least a page: `sizing.margin`) plus
+    one prefill chunk, and the pool holds exactly what the budgets allow at that peak.
     Protected tokens are never evicted: a row with more of them (`protected`, the most in
     one row) than the budget keeps them all, so its sequences are sized for them instead;
     and no sequence is sized beyond the request (`longest + reserve`), so the pool never
@@ -392,7 +392,7 @@ class CompressionSpec:
       # the session compacts it once the context is compressed.
       # Room after the context for one reconstruction pass (a chunk and its prompt).
       room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
-      capacity = whole_pages(max(longest + room, budget + margin(ps) + 1), ps)
+      capacity = whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps)
       cfg = CacheConfig(
           max_tokens=capacity, num_pages=batch * n * h * pages_for(capacity, ps) + 1, **common
       )
@@ -404,7 +404,9 @@ class CompressionSpec:
     )
     per_head = self.sharing == "layer"
     # Per head, one sequence may take its layer's whole share: H x budget.
-    peak = peak_tokens(int(budgets.max()) * (h if per_head else 1), ps, chunk, protected)
+    # The margin of the nominal budget (`CacheConfig`'s threshold), per head sharing it.
+    margin_tokens = margin(ps, budget) * (h if per_head else 1)
+    peak = peak_tokens(int(budgets.max()) * (h if per_head else 1), margin_tokens, chunk, protected)
     capacity = whole_pages(peak, ps)
     # No sequence holds more than the request's tokens: the pool never exceeds the full
     # cache's for the same batch (short prompts under a large budget), though it holds at
@@ -416,6 +418,7 @@ class CompressionSpec:
             heads=h,
             shared=per_head,
             page_size=ps,
+            margin_tokens=margin_tokens,
             chunk=chunk,
             protected=protected,
             request=longest + reserve,

@@ -109,3 +109,26 @@ def test_steps_kvjax_drops_free_their_code(monkeypatch):
   # Kept: at most 2 steps, and 2 dropped ones before the next clear. Without freeing, the
   # 7 later generates would add ~7 x per_generate maps.
   assert max(counts[1:]) - counts[1] < 3 * per_generate, counts
+
+
+def test_the_eviction_margin_grows_with_the_budget():
+  from kvjax.sizing import margin
+
+  assert [margin(16, b) for b in (24, 256, 511, 512, 1024, 4096)] == [16, 16, 16, 32, 64, 256]
+  assert kvjax.CacheConfig(page_size=16, max_tokens=2048, budget=1024).threshold == 1088
+
+
+def test_a_running_policy_evicts_once_per_margin_of_new_tokens():
+  """At budget 512 (page 16) a sequence grows to 544 tokens before eviction brings it back
+  to 512: one event per 33 new tokens, not per 17."""
+  model = tiny_llama(max_context=1024)
+  spec = kvjax.CompressionSpec("h2o", budget=512)
+  prompt = np.random.default_rng(0).integers(3, 250, 600).tolist()
+  state = kvjax.prefill(model, [prompt], spec, reserve=64)
+  lengths = [int(np.asarray(state.cache.length).max())]
+  for _ in range(80):
+    state, _ = kvjax.decode(model, state, 1, donate=True)
+    lengths.append(int(np.asarray(state.cache.length).max()))
+  assert max(lengths) == 544 and min(lengths) == 512, lengths
+  drops = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
+  assert len(drops) >= 2 and all(b - a == 33 for a, b in zip(drops, drops[1:])), lengths

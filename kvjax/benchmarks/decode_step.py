@@ -9,8 +9,9 @@ decode ms/token, its ratio to the full cache, and eviction's share of a step, am
 the steps (timed against the same loop with eviction off, in the same run). The window
 starts with the cache at its budget, so it sees fewer events than a long run does; the
 steady-state share puts the cost of one event (the step that evicts, run with and without
-eviction from the same state, medians) over the period between events (17 steps for token eviction, 32 for
-page eviction). Prints a markdown table. The issue's
+eviction from the same state, medians) over the period between events (the eviction margin
+plus one token, in whole groups: a sixteenth of the budget, at least a page;
+`kvjax.sizing.margin`). Prints a markdown table. The issue's
 goal: eviction under 5% of step time.
 """
 

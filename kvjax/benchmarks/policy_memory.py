@@ -40,7 +40,7 @@ def main(argv=None):
   sequences = c.n_layers * c.n_kv_heads
 
   def bound(b):  # each sequence at its peak under eviction, in whole pages
-    peak = sizing.peak_tokens(b, page, args.prefill_chunk)
+    peak = sizing.peak_tokens(b, sizing.margin(page, b), args.prefill_chunk)
     return sequences * whole_pages(peak, page) * token_bytes
 
   def report(label, variant, options, budget_for_bound):

@@ -63,14 +63,15 @@ def decode_cost(
   ms, with_state = timer.per_token(decode_steps, repeats)
   with_ms = ms["with"]
   without_ms = ms.get("without", with_ms)
-  events, per_event = timer.one_event(decode_steps, repeats)
-
   # Once running, a sequence passes its threshold every `period` tokens (the margin plus
   # one, in whole groups): the steady-state share spreads one event over that period.
-  steady, period = None, None
+  cfg = state.cache.config
+  period = (
+      None if plan.eviction is None else pages_for(cfg.margin + 1, cfg.group_size) * cfg.group_size
+  )
+  events, per_event = timer.one_event(decode_steps, repeats, search=period or 0)
+  steady = None
   if per_event is not None:
-    cfg = state.cache.config
-    period = pages_for(cfg.margin + 1, cfg.group_size) * cfg.group_size
     cost = max(per_event, 0.0)
     steady = cost / (cost + period * without_ms)
   return {
@@ -151,15 +152,16 @@ class _DecodeTimer:
         with_state
     )
 
-  def one_event(self, decode_steps: int, repeats: int) -> tuple[int, float | None]:
+  def one_event(self, decode_steps: int, repeats: int, search: int = 0) -> tuple[int, float | None]:
     """(eviction events in `decode_steps` steps, ms of one event's step or None). Steps the
-    loop one step at a time to find the steps that evict; then times the first event's
-    step from the state just before it, with eviction and without, alternating `repeats` +
-    2 times (a single event's time is too noisy to judge a 5% share by)."""
+    loop one step at a time to find the steps that evict (`search` steps at least: an event
+    comes once per margin, which may be longer than the timed window); then times the first
+    event's step from the state just before it, with eviction and without, alternating
+    `repeats` + 2 times (a single event's time is too noisy to judge a 5% share by)."""
     if "without" not in self.variants:
       return 0, None
     current, evicted, first_event = self.state, [], None
-    for _ in range(decode_steps):
+    for _ in range(max(decode_steps, search)):
       following, _ = self.run("with", 1, current)
       shorter = np.asarray(following.cache.length) < np.asarray(current.cache.length)
       evicted.append(bool(shorter.any()))  # an event drops more than the token it adds
@@ -167,7 +169,7 @@ class _DecodeTimer:
         first_event = current
       current = following
     if first_event is None:
-      return sum(evicted), None
+      return sum(evicted[:decode_steps]), None
     event_s = {"with": [], "without": []}
     for round_ in range(repeats + 3):  # round 0 compiles the one-step loop without eviction
       for name in ("with", "without")[:: 1 if round_ % 2 else -1]:
@@ -175,4 +177,4 @@ class _DecodeTimer:
         if round_:
           event_s[name].append(result.stats["decode_seconds"])
     per_event = statistics.median(event_s["with"]) - statistics.median(event_s["without"])
-    return sum(evicted), 1e3 * per_event
+    return sum(evicted[:decode_steps]), 1e3 * per_event
