@@ -2,8 +2,9 @@
 
     python -m kvjax.benchmarks.decode_step [--context 8192] [--budget 1024] [--steps 32]
 
-On the default model, prefills `--context - --steps - 1` tokens of text (so that the context and
-the decode steps fit the model's window) under each policy at `--budget` tokens per
+On the default model, prefills `--context` less the decode steps (`--steps`, or the steps to
+the first eviction event when more) tokens of text (so that the context and the decode
+steps fit the model's window) under each policy at `--budget` tokens per
 sequence, then times `--steps` greedy decode steps (`kvjax.eval._cost.decode_cost`): median
 decode ms/token, its ratio to the full cache, and eviction's share of a step, amortised over
 the steps (timed against the same loop with eviction off, in the same run). The window
@@ -24,6 +25,7 @@ import jax
 from kvjax.eval import decode_cost, default_text
 from kvjax.eval._data import DEFAULT_TEXT_SOURCE
 from kvjax.policies import POLICIES
+from kvjax.sizing import margin
 from kvjax.spec import CompressionSpec
 
 GOAL = 0.05  # eviction's share of a decode step
@@ -49,10 +51,11 @@ def main(argv=None):
     parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
 
   model, tokenizer = models.load_llama()
-  ids, source = (
-      tokenizer.encode(default_text())[: args.context - args.steps - 1],
-      DEFAULT_TEXT_SOURCE,
-  )
+  # Room after the context for the timed steps, and for the steps to the first event
+  # (`decode_cost` looks that far for one): the margin plus a page.
+  page = CompressionSpec().page_size
+  room = max(args.steps, margin(page, args.budget) + page + 1)
+  ids, source = tokenizer.encode(default_text())[: args.context - room - 1], DEFAULT_TEXT_SOURCE
   print(
       f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32; "
       f"context {len(ids)} tokens ({source}) + {args.steps} decode steps, budget {args.budget} "
