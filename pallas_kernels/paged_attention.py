@@ -639,7 +639,8 @@ def paged_attention(
   its entries against [0, P) (ValueError). Returns (out, probs), plus the per-query-head
   log-sum-exp [B, T, Hq] with `return_lse`. With `return_probs=False` the probabilities
   are None, and prefill chunks (T > 1) on the reference path read only live pages
-  (`paged_attention_live_blocks`).
+  (`paged_attention_live_blocks`). Decode (T == 1) on the reference path reads the live
+  prefix of the table (`paged_attention_live_prefix`), with or without probabilities.
   """
   use_pallas, interpret = resolve_impl(impl, interpret, gpu_kernel=True)
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
