@@ -36,10 +36,20 @@ class Sampling:
     ):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
+  @property
+  def greedy(self) -> bool:
+    """Temperature 0: the likeliest token (`greedy_token`), no randomness."""
+    return self.temperature == 0
+
   def arrays(self):
     """Traced (not static) values: changing them does not recompile."""
     values = (np.float32(self.temperature), np.int32(self.top_k), np.float32(self.top_p))
     return tuple(jax.device_put(x) for x in values)  # no eager op: nothing to compile
+
+
+def greedy_token(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
+  """The likeliest token of every row."""
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[Array, " B"]:
@@ -57,5 +67,4 @@ def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[A
     cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
     return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
 
-  greedy = lambda logits: jnp.argmax(logits, axis=-1)  # noqa: E731
-  return jax.lax.cond(temperature > 0, stochastic, greedy, logits).astype(jnp.int32)
+  return jax.lax.cond(temperature > 0, stochastic, greedy_token, logits).astype(jnp.int32)

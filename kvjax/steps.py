@@ -23,7 +23,7 @@ from kvjax.compilation import compile_ahead, compile_stats, compiled
 from kvjax.eviction import truncate as truncate_cache
 from kvjax.pages import pages_for
 from kvjax.prompts import EncodedPrompts
-from kvjax.sampling import Sampling, sample
+from kvjax.sampling import Sampling, greedy_token, sample
 from kvjax.seam import ModelShape, forward
 from kvjax.spec import CachePlan
 from kvjax.state import DecodeResult, State, laid_out
@@ -193,7 +193,7 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     s = d.state
     key, sub, evict_key = jax.random.split(s.key, 3)
     if forced is None and greedy:
-      token = jnp.argmax(s.logits, axis=-1).astype(jnp.int32)
+      token = greedy_token(s.logits)
     elif forced is None:
       token = sample(s.logits, sub, temperature, top_k, top_p)
     else:
@@ -275,7 +275,7 @@ def _decode_call(
       shards.replicated(sampling.arrays(), mesh),
       None if forced is None else shards.rows(forced, mesh),
   )
-  return args, {"graphdef": graphdef, "evict": evict, "greedy": sampling.temperature == 0}
+  return args, {"graphdef": graphdef, "evict": evict, "greedy": sampling.greedy}
 
 
 def compile_decode_ahead(

@@ -714,6 +714,12 @@ def paged_attention_live_prefix(
   beats the live-blocks loop on CPU (2-3x at 1k-8k tokens); the prefix is under twice the
   live length, so a cache sized beyond its tokens (a capacity bucket, a compressed
   context) costs memory, not decode time. Probabilities are zero past the prefix."""
+  validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
+  if q.shape[1] != 1:
+    raise ValueError(
+        f"paged_attention_live_prefix reads for one query per row: q must be [B, 1, Hq, D], "
+        f"got {q.shape} (prefill chunks take paged_attention_live_blocks)"
+    )
   b, _, hq, _ = q.shape
   m = page_table.shape[2]
   n = m * k_pages.shape[1]

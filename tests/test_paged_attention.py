@@ -281,3 +281,14 @@ def test_decode_reads_a_live_prefix_and_matches_the_reference(
   out, probs = attention.paged_attention(*args, return_probs=False, impl="ref")
   assert probs is None
   np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_the_live_prefix_reads_one_query_per_row_only():
+  from pallas_kernels.paged_attention import paged_attention_live_prefix
+
+  rng = np.random.default_rng(0)
+  q, kp, vp, table, lens, _, _ = paged_pool(rng, 4, 2, 1, [5, 9], 4, 16, 20, t=2)
+  with pytest.raises(ValueError, match=r"one query per row: q must be \[B, 1, Hq, D\], got \(2, 2"):
+    paged_attention_live_prefix(*map(jnp.asarray, (q, kp, vp, table, lens)))
+  with pytest.raises(ValueError, match="lengths"):
+    paged_attention_live_prefix(*map(jnp.asarray, (q[:, :1], kp, vp, table, lens[:1])))

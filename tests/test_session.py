@@ -137,6 +137,8 @@ def test_ragged_extend_leaves_rows_without_new_tokens_alone(tiny):
         (lambda m, s: kvjax.extend(m, s, [[1], [2]]), ValueError, "prompts has 2 rows"),
         (lambda m, s: kvjax.extend(m, s, [[]]), ValueError, "adds no token"),
         (lambda m, s: kvjax.fork(s, 0), ValueError, "num must be an int >= 1"),
+        (lambda m, s: kvjax.decode(m, s, 2, stop_tokens=[[1, 2]]), ValueError, "stop_tokens must"),
+        (lambda m, s: kvjax.prefill(m, [[1]], progress=3), TypeError, "progress must be a"),
         (lambda m, s: kvjax.prefill(m, [[1, 2]], "h2o"), TypeError, "spec must be a kvjax"),
         (lambda m, s: kvjax.prefill(m, ["text"]), ValueError, "pass tokenizer="),
         (lambda m, s: kvjax.prefill(object(), [[1]]), TypeError, "is not a kvjax model"),
