@@ -252,16 +252,22 @@ def grown_free_stacks(free: np.ndarray, num_free: np.ndarray, extra: int) -> np.
   return grown
 
 
-def compact_plan(table: np.ndarray, length: np.ndarray, page_size: int, reserve: int):
+def compact_plan(
+    table: np.ndarray, length: np.ndarray, page_size: int, reserve: int, size=lambda need: need
+):
   """How pools [G] (tables [G, L, b, h, M], lengths [G, L, b, h]) shrink to their live pages
-  plus room for `reserve` more tokens per sequence, one size for all (the largest need):
-  returns (num_pages, live [G], gather [G, num_pages]: the old page of each new page, the
-  null page first, then the live pages in table order; packed tables; free stacks)."""
+  plus room for `reserve` more tokens per sequence, one size for all: `size(need)` pages
+  besides the null one (at least the largest need; by default exactly it). Returns
+  (num_pages, live [G], gather [G, num_pages]: the old page of each new page, the null page
+  first, then the live pages in table order; packed tables; free stacks)."""
   owned = _owned(length, page_size, table.shape[-1])
   live_pages = owned.sum(axis=(1, 2, 3, 4))  # [G]
   held = owned.sum(-1)
   headroom = (pages_for(length + reserve, page_size) - held).sum(axis=(1, 2, 3))  # [G]
-  num_pages = 1 + int((live_pages + headroom).max())
+  need = int((live_pages + headroom).max())
+  num_pages = 1 + int(size(need))
+  if num_pages - 1 < need:
+    raise ValueError(f"a compacted pool of {num_pages - 1} pages cannot hold the {need} needed")
   gather = np.full((len(live_pages), num_pages), NULL_PAGE, np.int32)
   packed = np.zeros_like(table)
   free = np.zeros((len(live_pages), num_pages), np.int32)

@@ -125,21 +125,33 @@ def compress(state: State, reserve: int) -> State:
   check_status(cache)
   # The context is compressed once: later tokens are kept (no observation, no eviction), so
   # the policy's state that is not per token is dropped with its memory.
-  cache = compact(cache, reserve).replace(extra={})
+  # One pool size per plan: what the budget lets a shard's sequences keep (each rounding
+  # up by under a page), plus the reserve; `budget='auto'` keeps what its scores say.
+  length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
+  sequences, ps = int(np.prod(length.shape[1:])), cache.config.page_size
+  bound = 0
+  if not spec.auto:
+    held = sizing.held_pages_bound(
+        0, cache.config.budget, sequences=sequences, page_size=ps, once=True
+    )
+    bound = held + sequences * pages.pages_for(reserve, ps)
+  cache = compact(cache, reserve, size=lambda need: sizing.compacted_pages(need, bound))
+  cache = cache.replace(extra={})
   compressed = dataclasses.replace(plan, eviction=None)
   peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
 
 
-def compact(cache: PagedKVCache, reserve: int) -> PagedKVCache:
-  """The cache in a pool of exactly its live pages, plus room for `reserve` more tokens per
-  sequence: evicted memory is returned, not only marked free. A sharded cache compacts
-  every shard's pool on its own; they share one size (the largest need)."""
+def compact(cache: PagedKVCache, reserve: int, size=lambda need: need) -> PagedKVCache:
+  """The cache in a pool of its live pages, plus room for `reserve` more tokens per
+  sequence: `size(need)` pages besides the null one (exactly the need by default; see
+  `pages.compact_plan`): evicted memory is returned, not only marked free. A sharded cache
+  compacts every shard's pool on its own; they share one size (the largest need)."""
   length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
   table = shards.blocks(cache, shards.to_host(cache.page_table))  # [G, L, b, h, M]
   # Shard g's new pool: its null page, its live pages in table order, then free pages.
   num_pages, live, gather, packed, free = pages.compact_plan(
-      table, length, cache.config.page_size, reserve
+      table, length, cache.config.page_size, reserve, size
   )
   used = np.arange(num_pages) <= live[:, None]  # [G, num_pages]
 

@@ -88,6 +88,20 @@ def held_pages_bound(
   return sequences * pages_for(budget + margin(page_size, budget), page_size)
 
 
+def compacted_pages(need: int, bound: int) -> int:
+  """Pages a pool compacted to a context compressed once gets for the `need` of one
+  request: `bound`, the most its plan lets it hold (`held_pages_bound` + the reserve),
+  whenever the need fits, so that every request of a plan has one pool size and its decode
+  loop compiles once (an exact fit compiled one per request: ~3 s each on a 2-core CPU);
+  past the bound (protected tokens beyond the budget, a shard whose kv heads took more than
+  their share, budget='auto' with no bound: 0), the need rounded up to an eighth of the
+  bound."""
+  if need <= bound:
+    return bound
+  step = max(1, bound // 8)
+  return -(-need // step) * step
+
+
 def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:
   """Smallest budget eviction can always reach with the sink and recent tokens protected."""
   if group_size == 1:

@@ -391,8 +391,12 @@ class CompressionSpec:
       # The whole context is prefilled before it is scored: the pool holds all of it, and
       # the session compacts it once the context is compressed.
       # Room after the context for one reconstruction pass (a chunk and its prompt).
+      # In a capacity bucket, as the full cache: prompts of new lengths compile nothing new.
       room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
-      capacity = whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps)
+      capacity = max(
+          capacity_bucket(longest + room, ps, shape.max_context),
+          whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps),
+      )
       cfg = CacheConfig(
           max_tokens=capacity, num_pages=batch * n * h * pages_for(capacity, ps) + 1, **common
       )

@@ -248,9 +248,10 @@ def test_live_blocks_reject_bad_arguments(change, match):
 def test_decode_reads_a_live_prefix_and_matches_the_reference(
     monkeypatch, page_size, group, lengths
 ):
-  """One query per row reads the narrowest power-of-two prefix of the table holding every
-  live page: outputs, probabilities (zero past the prefix) and lse equal the reference's
-  over the whole (NaN-poisoned) table, for every prefix width and an empty sequence."""
+  """One query per row reads, per kv head, the narrowest power-of-two prefix of the table
+  holding the head's live pages: outputs, probabilities (zero past the prefix) and lse
+  equal the reference's over the whole (NaN-poisoned) table, for every prefix width, kv
+  heads of different lengths and an empty sequence."""
   import pallas_kernels.paged_attention as attention
 
   monkeypatch.setattr(attention, "PREFIX_MIN_TOKENS", 4)  # several widths in a small table
@@ -261,6 +262,14 @@ def test_decode_reads_a_live_prefix_and_matches_the_reference(
       rng, page_size, 2, group, [max(x, 1) for x in lengths], m, 16, b * 2 * m + 3
   )
   lens[np.asarray(lengths) == 0] = 0
+  # Kv head 1 holds a third of head 0's tokens (a budget per head): its own, narrower
+  # prefix; the slots it no longer holds are NaN.
+  for row in range(b):
+    short = lens[row, 1] // 3
+    for slot in range(short, lens[row, 1]):
+      page = table[row, 1, slot // page_size]
+      kp[page, slot % page_size] = vp[page, slot % page_size] = np.nan
+    lens[row, 1] = short
   num_queries = (np.asarray(lengths) > 0).astype(np.int32)
   args = tuple(map(jnp.asarray, (q, kp, vp, table, lens, num_queries)))
   widths = attention.prefix_widths(m, page_size)

@@ -31,6 +31,32 @@ def test_prompts_of_new_lengths_in_one_bucket_compile_nothing_new():
   assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
+def test_contexts_compressed_once_share_one_pool_size_and_compile_once():
+  """Every request of a plan compressed once (kvzip: kv heads and layers keep different
+  counts) gets the pool its budget bounds, not an exact fit: the second and later
+  prompts compile nothing; protected tokens beyond the budget take a larger pool that
+  still holds them."""
+  from kvjax import sizing
+
+  model, tok = tiny_llama(max_context=1024), ByteTokenizer()
+  rng = np.random.default_rng(2)
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=32)
+  counts, pools = [], set()
+  for length in (100, 110, 120):
+    prompt = [rng.integers(3, 250, length).tolist()]
+    state = kvjax.prefill(model, prompt, spec, tokenizer=tok, reserve=4)
+    pools.add(state.cache.config.num_pages)
+    result = kvjax.generate(model, tok, prompt, spec, max_new_tokens=4)
+    counts.append(result.stats["compiles"])
+  assert counts[0] > 0 and counts[1:] == [0, 0], counts
+  assert len(pools) == 1, pools
+  sequences = 2 * 1 * 2  # layers x rows x kv heads
+  bound = sizing.held_pages_bound(0, 32, sequences=sequences, page_size=16, once=True)
+  assert pools == {1 + bound + sequences * 1}  # + a page of reserve per sequence
+  assert sizing.compacted_pages(9, 10) == 10 and sizing.compacted_pages(17, 16) == 18
+  assert sizing.compacted_pages(5, 0) == 5  # budget='auto': no bound, an exact fit
+
+
 def test_the_request_sequence_compiles_one_set_of_steps():
   """The performance issue's six prompt lengths (480-1330 tokens, 8 new each) share one
   capacity bucket: the first compiles a prefill chunk step and a decode loop, the others
