@@ -277,6 +277,58 @@ def _generate(args) -> int:
   return 0
 
 
+def _warmup(args) -> int:
+  """Fills the compiled-step store for the requests a deployment will see."""
+  import kvjax
+  from kvjax.warmup import default_lengths, store_path, warmup
+
+  spec = spec_from_args(args)
+  sampling = _from_args(kvjax.Sampling, args)
+  for name in ("batch", "max_new_tokens"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.lengths is not None and min(args.lengths) < 1:
+    raise ValueError(f"--lengths must be >= 1, got {min(args.lengths)}")
+  store = store_path()
+  model, tokenizer = _load(args.model)
+  check_spec_model(args, model, spec)
+  lengths = args.lengths or default_lengths(model.config.max_context, args.max_new_tokens)
+  too_long = [n for n in lengths if n + args.max_new_tokens > model.config.max_context]
+  if too_long:
+    raise ValueError(
+        f"--lengths {too_long[0]} + --max-new-tokens {args.max_new_tokens} passes the model "
+        f"context {model.config.max_context}"
+    )
+  print(f"warming {store} for {model.config.name}: prompts of {lengths} tokens", flush=True)
+  _begin_work(args)
+
+  def report(row):
+    print(
+        f"{row['length']:>6} tokens: {row['compiled']} steps compiled, {row['loaded']} loaded "
+        f"from the store, {row['seconds']:.1f} s",
+        flush=True,
+    )
+
+  start = time.perf_counter()
+  rows = warmup(
+      model,
+      tokenizer,
+      spec,
+      lengths=lengths,
+      batch=args.batch,
+      max_new_tokens=args.max_new_tokens,
+      sampling=sampling,
+      report=report,
+  )
+  compiled = sum(row["compiled"] for row in rows)
+  loaded = sum(row["loaded"] for row in rows)
+  print(
+      f"done in {time.perf_counter() - start:.1f} s: {compiled} steps compiled and stored, "
+      f"{loaded} already there"
+  )
+  return 0
+
+
 # Request lengths per task when --context-tokens is not given (full run / --quick).
 # The hard cases by default: a short context and one the length of the default model's
 # window, leaving room in it for what is scored after the request (fidelity's 64 tokens,
@@ -870,6 +922,33 @@ def build_parser() -> argparse.ArgumentParser:
       "data=2,model=2; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N",
   )
   gen.set_defaults(func=_generate)
+  warm = sub.add_parser(
+      "warmup",
+      help="compile and store the steps of the requests a deployment will see (Docker, Colab)",
+      description="Runs one request per prompt length on filler tokens with these settings, "
+      "so that the compiled-step store in the cache directory ($KVJAX_CACHE_DIR, else "
+      "~/.cache/kvjax) holds their steps: later processes load them instead of compiling. "
+      "Use the flags `kvjax generate` will get (compression, sampling, --max-new-tokens); "
+      "steps are stored per backend and device, so warm on the machine type that serves.",
+  )
+  warm.add_argument(
+      "--model",
+      default="smollm2-135m-instruct",
+      help="registry name, .gguf file or local HF checkpoint directory",
+  )
+  _add_dataclass_flags(warm, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
+  _add_dataclass_flags(warm, kvjax.Sampling, title="sampling (kvjax.Sampling)")
+  warm.add_argument("--max-new-tokens", type=int, default=64, help="as given to generate")
+  warm.add_argument("--batch", type=int, default=1, help="prompts per request")
+  warm.add_argument(
+      "--lengths",
+      type=int,
+      nargs="+",
+      default=None,
+      help="prompt lengths in tokens; default: 32, 64, 128 and the longest prompt of each "
+      "2048-token capacity bucket up to the model context",
+  )
+  warm.set_defaults(func=_warmup)
   evaluation = sub.add_parser("eval", help="quality of compressed caches vs the full cache")
   tasks = evaluation.add_subparsers(dest="task", required=True, parser_class=_Parser)
   for task, text in (
