@@ -243,6 +243,17 @@ def _decode_returns(params, decoding, *_):
   return decoding  # `_decode`'s output structure (`compiled`)
 
 
+def _chunk_free(state: State, like: State | None = None) -> State:
+  """The state with the prefill chunk it was planned with set to one token (the loop appends
+  one per step), or back to `like`'s: states that differ only by it (short prompts prefill
+  in chunks of their own power of two) share one compiled loop."""
+  plan_chunk, cache_chunk = (1, 1) if like is None else (like.plan.chunk, like.cache.chunk)
+  return state.replace(
+      plan=dataclasses.replace(state.plan, chunk=plan_chunk),
+      cache=state.cache.replace(chunk=cache_chunk),
+  )
+
+
 def stop_array(stop_tokens) -> np.ndarray:
   """Stop ids as the decode loop takes them ([-1] for none)."""
   stop = np.asarray(list(stop_tokens) or [-1], np.int32)
@@ -256,6 +267,7 @@ def _decode_call(
 ):
   """The decode loop's arguments (the state's arrays, fresh token buffers) and static
   values."""
+  state = _chunk_free(state)
   b = state.batch_size
   vocab = state.logits.shape[-1]
   decoding = _Decoding(
@@ -335,7 +347,7 @@ def run_decode(
           "compile_seconds": after["compile_seconds"] - before["compile_seconds"],
       },
   )
-  return decoding.state, result
+  return _chunk_free(decoding.state, like=state), result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,17 @@ def test_prompts_of_new_lengths_in_one_bucket_compile_nothing_new():
   assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
+def test_short_prompts_compile_their_prefill_chunk_only():
+  """Prompts under 256 tokens prefill in chunks of their own power of two; the decode loop
+  (which appends one token a step) is shared: each new chunk compiles one step, not two."""
+  model, tok = tiny_llama(max_context=640), ByteTokenizer()  # shapes no other test compiles
+  counts = [
+      kvjax.generate(model, tok, [[7] * n], max_new_tokens=4).stats["compiles"]
+      for n in (20, 40, 100, 30)
+  ]
+  assert counts == [2, 1, 1, 0], counts
+
+
 def test_contexts_compressed_once_share_one_pool_size_and_compile_once():
   """Every request of a plan compressed once (kvzip: kv heads and layers keep different
   counts) gets the pool its budget bounds, not an exact fit: the second and later
