@@ -886,7 +886,24 @@ def _policy_names():
   return list(POLICIES)
 
 
+def _add_request_flags(parser, *, max_new_help: str) -> None:
+  """The flags that shape a request: the model, compression, sampling, new tokens (one
+  table for `generate` and `warmup`, which must see the same requests)."""
+  import kvjax
+
+  parser.add_argument(
+      "--model",
+      default="smollm2-135m-instruct",
+      help="registry name, .gguf file or local HF checkpoint directory",
+  )
+  _add_dataclass_flags(parser, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
+  _add_dataclass_flags(parser, kvjax.Sampling, title="sampling (kvjax.Sampling)")
+  parser.add_argument("--max-new-tokens", type=int, default=64, help=max_new_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
+  import kvjax
+
   parser = _Parser(prog="kvjax", description="KV-cache compression for JAX.")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   gen = sub.add_parser("generate", help="generate text with a model (default: SmolLM2-135M)")
@@ -895,16 +912,7 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument(
       "--quiet", action="store_true", help="no progress bar (none either when stderr is not a tty)"
   )
-  gen.add_argument(
-      "--model",
-      default="smollm2-135m-instruct",
-      help="registry name, .gguf file or local HF checkpoint directory",
-  )
-  import kvjax
-
-  _add_dataclass_flags(gen, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
-  _add_dataclass_flags(gen, kvjax.Sampling, title="sampling (kvjax.Sampling)")
-  gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+  _add_request_flags(gen, max_new_help="tokens to generate at most")
   gen.add_argument("--seed", type=int, default=0, help="seed of sampling and random eviction")
   gen.add_argument(
       "--chat",
@@ -931,14 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
       "Use the flags `kvjax generate` will get (compression, sampling, --max-new-tokens); "
       "steps are stored per backend and device, so warm on the machine type that serves.",
   )
-  warm.add_argument(
-      "--model",
-      default="smollm2-135m-instruct",
-      help="registry name, .gguf file or local HF checkpoint directory",
-  )
-  _add_dataclass_flags(warm, kvjax.CompressionSpec, title="compression (kvjax.CompressionSpec)")
-  _add_dataclass_flags(warm, kvjax.Sampling, title="sampling (kvjax.Sampling)")
-  warm.add_argument("--max-new-tokens", type=int, default=64, help="as given to generate")
+  _add_request_flags(warm, max_new_help="as given to generate")
   warm.add_argument("--batch", type=int, default=1, help="prompts per request")
   warm.add_argument(
       "--lengths",
