@@ -695,6 +695,14 @@ def prefix_widths(pages: int, page_size: int) -> tuple[int, ...]:
   return (*widths, pages)
 
 
+def prefix_heads_per_step(hkv: int) -> int:
+  """Kv heads `paged_attention_live_prefix` reads per step of its loop: one on CPU, where a
+  step costs little and each head then reads only its own prefix; all of them elsewhere,
+  where every loop step is a launch (and on GPU a host round trip), so one prefix serves
+  every head (not measured on an accelerator yet)."""
+  return 1 if jax.default_backend() == "cpu" else hkv
+
+
 def paged_attention_live_prefix(
     q: Float[Array, "B 1 Hq D"],
     k_pages: Float[Array, "P S D"],
@@ -707,16 +715,18 @@ def paged_attention_live_prefix(
     per_query_head: bool = False,
     return_lse: bool = False,
     return_probs: bool = True,
+    heads_per_step: int | None = None,
 ):
-  """`paged_attention_reference` (and its lse) for one query per row, reading for each kv
-  head only the narrowest prefix of its table that holds its live pages (over the rows): a
-  power of two of pages (`prefix_widths`), picked by a switch inside a loop over the kv
-  heads. One pass over a prefix beats the live-blocks loop on CPU (2-3x at 1k-8k tokens);
-  a prefix is under twice its head's longest length, so a cache sized beyond its tokens (a
-  capacity bucket) costs memory, not decode time, and a context compressed with a budget
-  per head (kvzip: a layer's longest head holds ~1.5x its mean) reads about its kept
-  tokens, not its longest head's (one prefix for every head read 50 % of an 8062-token
-  context kept at 25 %; one per head, 34 %). Probabilities are zero past the prefix."""
+  """`paged_attention_reference` (and its lse) for one query per row, reading for each
+  group of `heads_per_step` kv heads (`prefix_heads_per_step` by default: one on CPU) only
+  the narrowest prefix of their tables that holds their live pages in every row: a power
+  of two of pages (`prefix_widths`), picked by a switch inside a loop over the groups. One
+  pass over a prefix beats the live-blocks loop on CPU (2-3x at 1k-8k tokens); a prefix is
+  under twice its heads' longest length, so a cache sized beyond its tokens (a capacity
+  bucket) costs memory, not decode time, and a context compressed with a budget per head
+  (kvzip: a layer's longest head holds ~1.5x its mean) reads about its kept tokens, not
+  its longest head's (one prefix for every head read 50 % of an 8062-token context kept
+  at 25 %; one per head, 34 %). Probabilities are zero past the prefix."""
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   if q.shape[1] != 1:
     raise ValueError(
@@ -726,30 +736,33 @@ def paged_attention_live_prefix(
   b, _, hq, d = q.shape
   _, hkv, m = page_table.shape
   g = hq // hkv
+  step = prefix_heads_per_step(hkv) if heads_per_step is None else heads_per_step
+  if isinstance(step, bool) or not isinstance(step, int) or step < 1 or hkv % step:
+    raise ValueError(f"heads_per_step must be an int >= 1 dividing Hkv={hkv}, got {step!r}")
   s = k_pages.shape[1]
   n = m * s
   widths = prefix_widths(m, s)
   num_queries = jnp.ones((b,), jnp.int32) if num_queries is None else num_queries
-  q_BxKx1xGxD = jnp.swapaxes(q.reshape(b, 1, hkv, g, d), 1, 2)
-  prob_rows = g if per_query_head else 1  # probability rows per kv head
+  rows = step * (g if per_query_head else 1)  # probability rows per group
 
   def attend(width):
-    def run(head):  # kv head `head` of every row, and its G query heads
-      table = jax.lax.dynamic_slice_in_dim(page_table, head, 1, axis=1)[..., :width]
-      lens = jax.lax.dynamic_slice_in_dim(lengths, head, 1, axis=1)  # [B, 1]
-      q_h = jax.lax.dynamic_index_in_dim(q_BxKx1xGxD, head, axis=1, keepdims=False)
-      args = (q_h, k_pages, v_pages, table, lens, num_queries)
+    def run(group):  # kv heads [group * step, (group + 1) * step) of every row
+      first = group * step
+      table = jax.lax.dynamic_slice_in_dim(page_table, first, step, axis=1)[..., :width]
+      lens = jax.lax.dynamic_slice_in_dim(lengths, first, step, axis=1)  # [B, step]
+      q_g = jax.lax.dynamic_slice_in_dim(q, first * g, step * g, axis=2)  # [B, 1, step*G, D]
+      args = (q_g, k_pages, v_pages, table, lens, num_queries)
       out, probs = paged_attention_reference(
           *args, scale=scale, per_query_head=per_query_head
-      )  # [B, 1, G, D], [B, rows, 1, width * S]
+      )  # [B, 1, step*G, D], [B, rows, 1, width * S]
       if return_probs:
         probs = jnp.pad(probs, ((0, 0), (0, 0), (0, 0), (0, n - width * s)))
       else:
         probs = jnp.zeros((), jnp.float32)
       lse = (
-          paged_attention_lse_reference(q_h, k_pages, table, lens, num_queries, scale=scale)
+          paged_attention_lse_reference(q_g, k_pages, table, lens, num_queries, scale=scale)
           if return_lse
-          else jnp.zeros((b, 1, g), jnp.float32)
+          else jnp.zeros((b, 1, step * g), jnp.float32)
       )
       return out, probs, lse
 
@@ -758,21 +771,22 @@ def paged_attention_live_prefix(
   branches = [attend(w) for w in widths]
   narrower = jnp.asarray(widths[:-1])
 
-  def one_head(head, carry):
+  def one_group(group, carry):
     out, probs, lse = carry
-    live_pages = -(-jnp.max(lengths[:, head]) // s)
-    # The first width that holds the head's live pages in every row.
-    o, p, l = jax.lax.switch(jnp.sum(narrower < live_pages), branches, head)
-    out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), head * g, axis=2)
+    lens = jax.lax.dynamic_slice_in_dim(lengths, group * step, step, axis=1)
+    live_pages = -(-jnp.max(lens) // s)
+    # The first width that holds the group's live pages in every row.
+    o, p, l = jax.lax.switch(jnp.sum(narrower < live_pages), branches, group)
+    out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), group * step * g, axis=2)
     if return_probs:
-      probs = jax.lax.dynamic_update_slice_in_dim(probs, p, head * prob_rows, axis=1)
-    return out, probs, jax.lax.dynamic_update_slice_in_dim(lse, l, head * g, axis=2)
+      probs = jax.lax.dynamic_update_slice_in_dim(probs, p, group * rows, axis=1)
+    return out, probs, jax.lax.dynamic_update_slice_in_dim(lse, l, group * step * g, axis=2)
 
   init = (
       jnp.zeros((b, 1, hq, d), q.dtype),
-      jnp.zeros((b, hkv * prob_rows, 1, n), jnp.float32) if return_probs else jnp.zeros(()),
+      jnp.zeros((b, hkv // step * rows, 1, n), jnp.float32) if return_probs else jnp.zeros(()),
       jnp.zeros((b, 1, hq), jnp.float32),
   )
-  out, probs, lse = jax.lax.fori_loop(0, hkv, one_head, init)
+  out, probs, lse = jax.lax.fori_loop(0, hkv // step, one_group, init)
   result = (out, probs if return_probs else None)
   return (*result, lse) if return_lse else result

@@ -274,10 +274,14 @@ def test_decode_reads_a_live_prefix_and_matches_the_reference(
   args = tuple(map(jnp.asarray, (q, kp, vp, table, lens, num_queries)))
   widths = attention.prefix_widths(m, page_size)
   assert widths[-1] == m and len(widths) > 1
-  for per_query_head in (False, True):
+  for per_query_head, heads_per_step in [(False, 1), (True, 1), (False, 2), (True, 2)]:
+    # One kv head per step (CPU), or both (accelerators: one prefix for the group).
     run = jax.jit(
         functools.partial(
-            attention.paged_attention_live_prefix, per_query_head=per_query_head, return_lse=True
+            attention.paged_attention_live_prefix,
+            per_query_head=per_query_head,
+            return_lse=True,
+            heads_per_step=heads_per_step,
         )
     )
     out, probs, lse = run(*args)
@@ -301,3 +305,7 @@ def test_the_live_prefix_reads_one_query_per_row_only():
     paged_attention_live_prefix(*map(jnp.asarray, (q, kp, vp, table, lens)))
   with pytest.raises(ValueError, match="lengths"):
     paged_attention_live_prefix(*map(jnp.asarray, (q[:, :1], kp, vp, table, lens[:1])))
+  with pytest.raises(ValueError, match="heads_per_step must be an int >= 1 dividing Hkv=2"):
+    paged_attention_live_prefix(
+        *map(jnp.asarray, (q[:, :1], kp, vp, table, lens)), heads_per_step=3
+    )
