@@ -733,6 +733,9 @@ def paged_attention_live_prefix(
         f"paged_attention_live_prefix reads for one query per row: q must be [B, 1, Hq, D], "
         f"got {q.shape} (prefill chunks take paged_attention_live_blocks)"
     )
+  # Device arrays: the loop slices them with a traced index (NumPy's indexing cannot).
+  q, page_table, lengths = map(jnp.asarray, (q, page_table, lengths))
+  k_pages, v_pages = (jax.tree.map(jnp.asarray, x) for x in (k_pages, v_pages))
   b, _, hq, d = q.shape
   _, hkv, m = page_table.shape
   g = hq // hkv
@@ -742,7 +745,7 @@ def paged_attention_live_prefix(
   s = k_pages.shape[1]
   n = m * s
   widths = prefix_widths(m, s)
-  num_queries = jnp.ones((b,), jnp.int32) if num_queries is None else num_queries
+  num_queries = jnp.ones((b,), jnp.int32) if num_queries is None else jnp.asarray(num_queries)
   rows = step * (g if per_query_head else 1)  # probability rows per group
 
   def attend(width):

@@ -294,6 +294,11 @@ def test_decode_reads_a_live_prefix_and_matches_the_reference(
   out, probs = attention.paged_attention(*args, return_probs=False, impl="ref")
   assert probs is None
   np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+  # Eagerly, from NumPy arrays (as `kvjax doctor` calls it): nothing indexes them with a
+  # traced loop index.
+  host = (q, kp, vp, table, lens, num_queries)
+  out, _ = attention.paged_attention(*host, per_query_head=True, impl="ref")
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
 def test_the_live_prefix_reads_one_query_per_row_only():
