@@ -125,34 +125,33 @@ def compress(state: State, reserve: int) -> State:
   check_status(cache)
   # The context is compressed once: later tokens are kept (no observation, no eviction), so
   # the policy's state that is not per token is dropped with its memory.
-  # One pool size per plan: what the budget lets a shard's sequences keep (each rounding
-  # up by under a page), plus the reserve; `budget='auto'` keeps what its scores say.
-  length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
-  sequences, ps = int(np.prod(length.shape[1:])), cache.config.page_size
-  bound = 0
-  if not spec.auto:
-    held = sizing.held_pages_bound(
-        0, cache.config.budget, sequences=sequences, page_size=ps, once=True
-    )
-    bound = held + sequences * pages.pages_for(reserve, ps)
-  cache = compact(cache, reserve, size=lambda need: sizing.compacted_pages(need, bound))
-  cache = cache.replace(extra={})
+  # `budget='auto'` keeps what its scores say: no budget bounds its pool.
+  budget = None if spec.auto else cache.config.budget
+  cache = compact(cache, reserve, budget=budget).replace(extra={})
   compressed = dataclasses.replace(plan, eviction=None)
   peak = max(int(state.peak_pages), int(cache.pages_in_use().sum()))
   return state.replace(cache=cache, plan=compressed, peak_pages=jnp.int32(peak))
 
 
-def compact(cache: PagedKVCache, reserve: int, size=lambda need: need) -> PagedKVCache:
+def compact(cache: PagedKVCache, reserve: int, budget: int | None = None) -> PagedKVCache:
   """The cache in a pool of its live pages, plus room for `reserve` more tokens per
-  sequence: `size(need)` pages besides the null one (exactly the need by default; see
-  `pages.compact_plan`): evicted memory is returned, not only marked free. A sharded cache
-  compacts every shard's pool on its own; they share one size (the largest need)."""
+  sequence: evicted memory is returned, not only marked free. With a `budget` (tokens per
+  sequence, kept in all), the pool has the size that budget bounds (`sizing.compacted_pages`:
+  one size for every request of a plan, so its decode compiles once); without, exactly the
+  need. A sharded cache compacts every shard's pool on its own; they share one size (the
+  largest need)."""
   length = shards.blocks(cache, shards.to_host(cache.length))  # [G, L, b, h]
   table = shards.blocks(cache, shards.to_host(cache.page_table))  # [G, L, b, h, M]
+  ps = cache.config.page_size
+  size = lambda need: need  # noqa: E731
+  if budget is not None:
+    # What a shard's sequences can keep (each rounding up by under a page) + the reserve.
+    sequences = int(np.prod(length.shape[1:]))
+    bound = sizing.held_pages_bound(0, budget, sequences=sequences, page_size=ps, once=True)
+    bound += sequences * pages.pages_for(reserve, ps)
+    size = lambda need: sizing.compacted_pages(need, bound)  # noqa: E731
   # Shard g's new pool: its null page, its live pages in table order, then free pages.
-  num_pages, live, gather, packed, free = pages.compact_plan(
-      table, length, cache.config.page_size, reserve, size
-  )
+  num_pages, live, gather, packed, free = pages.compact_plan(table, length, ps, reserve, size)
   used = np.arange(num_pages) <= live[:, None]  # [G, num_pages]
 
   def compact(x, empty):

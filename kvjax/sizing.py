@@ -94,8 +94,7 @@ def compacted_pages(need: int, bound: int) -> int:
   whenever the need fits, so that every request of a plan has one pool size and its decode
   loop compiles once (an exact fit compiled one per request: ~3 s each on a 2-core CPU);
   past the bound (protected tokens beyond the budget, a shard whose kv heads took more than
-  their share, budget='auto' with no bound: 0), the need rounded up to an eighth of the
-  bound."""
+  their share; a bound of 0: none), the need rounded up to an eighth of the bound."""
   if need <= bound:
     return bound
   step = max(1, bound // 8)

@@ -28,6 +28,13 @@ def default_lengths(max_context: int, max_new_tokens: int) -> list[int]:
   context: short prompts (their prefill chunk is a power of two under 256), then the
   longest prompt of each capacity bucket (`sizing.BUCKET_TOKENS`) that leaves room for
   `max_new_tokens`."""
+  check_int("max_context", max_context)
+  check_int("max_new_tokens", max_new_tokens)
+  if max_new_tokens >= max_context:
+    raise ValueError(
+        f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model context "
+        f"{max_context}"
+    )
   room = max_context - max_new_tokens
   lengths = [n for n in SHORT_PROMPTS if n <= room]
   top = BUCKET_TOKENS
@@ -75,15 +82,8 @@ def warmup(
   spec = CompressionSpec() if spec is None else spec
   shape = ModelShape.of(model)
   check_int("batch", batch)
-  check_int("max_new_tokens", max_new_tokens)
-  if max_new_tokens >= shape.max_context:
-    raise ValueError(
-        f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model context "
-        f"{shape.max_context}"
-    )
-  if lengths is None:
-    lengths = default_lengths(shape.max_context, max_new_tokens)
-  lengths = list(lengths)
+  default = default_lengths(shape.max_context, max_new_tokens)  # checks max_new_tokens
+  lengths = default if lengths is None else list(lengths)
   for n in lengths:
     check_int("lengths", n)
     if n + max_new_tokens > shape.max_context:
@@ -95,20 +95,19 @@ def warmup(
   filler = filler * -(-max(lengths, default=1) // len(filler))
   rows = []
   for n in lengths:
-    before, start = compilation.compile_stats(), time.perf_counter()
-    generate(
+    start = time.perf_counter()
+    stats = generate(
         model,
         tokenizer,
         [filler[:n]] * batch,
         spec,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
-    )
-    after = compilation.compile_stats()
+    ).stats
     row = {
         "length": n,
-        "compiled": after["compiles"] - before["compiles"] - (after["loaded"] - before["loaded"]),
-        "loaded": after["loaded"] - before["loaded"],
+        "compiled": stats["compiles"] - stats["loaded"],  # `compiles` counts the loaded too
+        "loaded": stats["loaded"],
         "seconds": time.perf_counter() - start,
     }
     rows.append(row)

@@ -749,10 +749,9 @@ def paged_attention_live_prefix(
   rows = step * (g if per_query_head else 1)  # probability rows per group
 
   def attend(width):
-    def run(group):  # kv heads [group * step, (group + 1) * step) of every row
+    def run(group, lens):  # kv heads [group * step, (group + 1) * step) of every row
       first = group * step
       table = jax.lax.dynamic_slice_in_dim(page_table, first, step, axis=1)[..., :width]
-      lens = jax.lax.dynamic_slice_in_dim(lengths, first, step, axis=1)  # [B, step]
       q_g = jax.lax.dynamic_slice_in_dim(q, first * g, step * g, axis=2)  # [B, 1, step*G, D]
       args = (q_g, k_pages, v_pages, table, lens, num_queries)
       out, probs = paged_attention_reference(
@@ -776,10 +775,10 @@ def paged_attention_live_prefix(
 
   def one_group(group, carry):
     out, probs, lse = carry
-    lens = jax.lax.dynamic_slice_in_dim(lengths, group * step, step, axis=1)
+    lens = jax.lax.dynamic_slice_in_dim(lengths, group * step, step, axis=1)  # [B, step]
     live_pages = -(-jnp.max(lens) // s)
     # The first width that holds the group's live pages in every row.
-    o, p, l = jax.lax.switch(jnp.sum(narrower < live_pages), branches, group)
+    o, p, l = jax.lax.switch(jnp.sum(narrower < live_pages), branches, group, lens)
     out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), group * step * g, axis=2)
     if return_probs:
       probs = jax.lax.dynamic_update_slice_in_dim(probs, p, group * rows, axis=1)

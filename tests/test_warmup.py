@@ -88,3 +88,23 @@ def test_default_lengths_cover_every_bucket_and_short_prompt():
   assert default_lengths(8192, 64) == [32, 64, 128, 1984, 4032, 6080, 8128]
   assert default_lengths(2048, 64) == [32, 64, 128, 1984]
   assert default_lengths(100, 64) == [32, 36]
+
+
+def test_the_python_api_refuses_bad_input_before_any_request(monkeypatch):
+  import kvjax.generation
+  from kvjax.testing import ByteTokenizer, tiny_llama
+  from kvjax.warmup import warmup
+
+  monkeypatch.setattr(kvjax.generation, "generate", lambda *a, **k: pytest.fail("ran"))
+  model, tokenizer = tiny_llama(max_context=256), ByteTokenizer()
+  for options, message in [
+      ({"batch": 0}, "batch must be an int >= 1, got 0"),
+      ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1, got 0"),
+      ({"max_new_tokens": 256}, "max_new_tokens=256 leaves no room for a prompt"),
+      ({"lengths": [16, 0]}, "lengths must be an int >= 1, got 0"),
+      ({"lengths": [250]}, r"lengths: a 250-token prompt \+ max_new_tokens=64 passes the model"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      warmup(model, tokenizer, **options)
+  with pytest.raises(ValueError, match="max_context must be an int >= 1"):
+    default_lengths(0, 64)
