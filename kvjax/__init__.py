@@ -18,6 +18,7 @@ The session API (any model with the seam of `kvjax.seam`):
 
 from kvjax._version import __version__ as __version__
 from kvjax.cache import (
+    CacheConfig,
     CacheError,
     NumericsError,
     PagedKVCache,
@@ -32,22 +33,15 @@ from kvjax.cache import (
     read_sequence,
     valid_mask,
 )
-from kvjax.config import CacheConfig
 from kvjax.eviction import evict, protection_mask
 from kvjax.persistence import StateFileError, load_state, save_state, state_info
-from kvjax.generation import Generation, GenerationResult, TokenEvent, generate
-from kvjax.prompts import Segment
+from kvjax.runtime.compilation import compile_stats
+from kvjax.runtime.generation import Generation, GenerationResult, TokenEvent, generate
+from kvjax.runtime.prompts import Segment
+from kvjax.runtime.sampling import Sampling
+from kvjax.runtime.session import decode, extend, fork, prefill
+from kvjax.runtime.state import DecodeResult, State
 from kvjax.seam import ModelShape
-from kvjax.session import (
-    DecodeResult,
-    Sampling,
-    State,
-    compile_stats,
-    decode,
-    extend,
-    fork,
-    prefill,
-)
 from kvjax.sharding import make_mesh, shard_model
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import load_spec, tune

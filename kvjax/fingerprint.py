@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import to_host
+from kvjax.cache.paged_cache import to_host
 
 # model -> (weak references to the parameter arrays it was computed from, its fingerprint).
 _KNOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

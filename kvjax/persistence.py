@@ -45,19 +45,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import _files
+from kvjax_store import files as _files
 from kvjax._version import __version__
-from kvjax.allocation import HeadAllocation
-from kvjax import pages
-from kvjax.cache import PagedKVCache, Slot
-from kvjax.config import CacheConfig
+from kvjax.eviction.allocation import HeadAllocation
+from kvjax.cache import pages
+from kvjax.cache.paged_cache import PagedKVCache, Slot
+from kvjax.cache.config import CacheConfig
 from kvjax.fingerprint import model_fingerprint
-from kvjax.policies import EvictionPlan, get_policy
+from kvjax.policies import get_policy
+from kvjax.eviction.budgets import EvictionPlan
 from kvjax.seam import ModelShape, model_record
-from kvjax.session import State
+from kvjax.runtime.session import State
 from pallas_kernels import page_format
 from kvjax.spec import CachePlan, CompressionSpec
-from models.weight_cache import arrays_digest
+from kvjax_store.files import arrays_digest
 
 try:
   import fcntl

@@ -39,8 +39,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
-from kvjax.cache import PagedKVCache, append_layer
-from kvjax.fingerprint import model_fingerprint  # noqa: F401 - as kvjax.seam.model_fingerprint
+from kvjax.cache.paged_cache import PagedKVCache, append_layer
+from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import AttentionStats, Policy
 from kvjax.sharding import DATA, MODEL, on_shards
 from pallas_kernels.paged_attention import paged_attention

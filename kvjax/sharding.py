@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.cache import PagedKVCache, init_cache, to_host  # noqa: F401 - to_host: shards.to_host
+from kvjax.cache.paged_cache import PagedKVCache, init_cache
 
 DATA, MODEL = "data", "model"
 SHARDS = (DATA, MODEL)  # the pool's first axis: one block per device, data-major

@@ -13,21 +13,14 @@ import dataclasses
 import math
 import os
 
-from kvjax.allocation import HeadAllocation
-from kvjax.config import GROUP_REDUCTIONS, CacheConfig
-from kvjax.pages import pages_for, whole_pages
-from kvjax.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
+from kvjax.eviction.allocation import HeadAllocation
+from kvjax.cache.config import GROUP_REDUCTIONS, CacheConfig
+from kvjax.cache.pages import pages_for, whole_pages
+from kvjax.cache.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
 from kvjax._checks import is_int
 from pallas_kernels.page_format import KV_DTYPES
-from kvjax.policies import (
-    BUDGET_SCHEDULES,
-    HEAD_BUDGETS,
-    EvictionPlan,
-    Full,
-    Policy,
-    get_policy,
-    layer_budgets,
-)
+from kvjax.policies import Full, Policy, get_policy
+from kvjax.eviction.budgets import BUDGET_SCHEDULES, HEAD_BUDGETS, EvictionPlan, layer_budgets
 
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
@@ -415,7 +408,7 @@ class CompressionSpec:
     # No sequence holds more than the request's tokens: the pool never exceeds the full
     # cache's for the same batch (short prompts under a large budget), though it holds at
     # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
-    # request needs more (`kvjax.pool.fit`).
+    # request needs more (`kvjax.runtime.pool.fit`).
     pages_per_layer = [
         layer_pages(
             int(b),

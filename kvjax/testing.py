@@ -7,8 +7,8 @@ import contextlib
 import jax
 import numpy as np
 
-from kvjax.cache import PagedKVCache
-from kvjax.pages import NULL_PAGE, pages_for
+from kvjax.cache.paged_cache import PagedKVCache, to_host
+from kvjax.cache.pages import NULL_PAGE, pages_for
 
 
 def assert_cache_invariants(cache: PagedKVCache) -> None:
@@ -24,11 +24,10 @@ def assert_cache_invariants(cache: PagedKVCache) -> None:
   if cache.mesh is not None:
     from kvjax import sharding
 
-    host = lambda x: sharding.to_host(x)  # noqa: E731
-    table = sharding.blocks(cache, host(cache.page_table))
-    length = sharding.blocks(cache, host(cache.length))
+    table = sharding.blocks(cache, to_host(cache.page_table))
+    length = sharding.blocks(cache, to_host(cache.length))
     for g in range(len(table)):
-      pool = lambda x: host(x)[g]  # noqa: E731
+      pool = lambda x: to_host(x)[g]  # noqa: E731
       assert_cache_invariants(
           cache.replace(
               k_pages=jax.tree.map(pool, cache.k_pages),
@@ -162,7 +161,7 @@ def assert_compressed_once(state, context_length: int, *, row: int = 0) -> None:
   """A context compressed once under a shared budget: the row holds exactly its L x H x
   budget tokens (ties go to the earlier token), its sequences keep different amounts, the
   sink and recent tokens of every sequence survive, and later tokens are not evicted."""
-  from kvjax.cache import read_sequence
+  from kvjax.cache.paged_cache import read_sequence
 
   spec, cache = state.spec, state.cache
   assert_cache_invariants(cache)

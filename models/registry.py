@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from . import weight_cache
-from .cache_dir import private_dir
+from kvjax_store.cache_dir import private_dir
 from .source import ModelSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -73,7 +73,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, cache: bool =
   With `cache`, the converted weights are kept in kvjax's cache directory
   ($KVJAX_CACHE_DIR/weights, see `models.weight_cache`): the first load converts and
   stores them, later loads read them back (several times faster for a quantised GGUF).
-  A cache directory that is not private to this user is not used (`models.cache_dir`)."""
+  A cache directory that is not private to this user is not used (`kvjax_store.cache_dir`)."""
   src = resolve_model(name_or_path)
   weights = private_dir("weights") if cache else None
   if weights is None:

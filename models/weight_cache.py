@@ -5,7 +5,7 @@ checkpoint read) once, and later loads read the float32 arrays back.
     params/   StandardSave: the canonical float32 params (see the `models` docstring)
     meta/     JsonSave: format, source files, ModelConfig, tokenizer (JSON, special ids,
               chat template), a SHA-256 of the params, and an HMAC of all of it keyed by
-              this user's cache key (`models.cache_dir`)
+              this user's cache key (`kvjax_store.cache_dir`)
 
 `key` digests the source files' contents (SHA-256, ~0.2 s for the default model's 98 MB),
 so an edited or replaced file is converted again. An entry is used only when its HMAC
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache_dir
+from kvjax_store import cache_dir
+from kvjax_store.files import arrays_digest
 from .config import ModelConfig, check_params
 from .source import ModelSource
 
@@ -56,16 +57,6 @@ def _tag_pieces(path: Path, meta: dict) -> tuple[bytes, bytes]:
   digest), as JSON gives the metadata back."""
   body = json.dumps({k: v for k, v in meta.items() if k != "tag"}, sort_keys=True)
   return path.name.encode(), body.encode()
-
-
-def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
-  """SHA-256 of named arrays: each one's name, dtype, shape and bytes, in name order."""
-  digest = hashlib.sha256()
-  for name in sorted(arrays):
-    x = np.ascontiguousarray(arrays[name])
-    digest.update(f"{name}:{x.dtype.name}:{x.shape};".encode())
-    digest.update(x.reshape(-1).view(np.uint8).data)  # any dtype (bfloat16 too), no copy
-  return digest.hexdigest()
 
 
 def load(path: Path):

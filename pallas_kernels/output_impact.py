@@ -5,7 +5,7 @@ energy and so compares across heads and layers.
 
 For one decode query per sequence, r [B, Hkv, N] sums over the G = Hq / Hkv query heads h
 of a kv head the exact change of head h's output when slot i is removed and the rest
-renormalised (see `kvjax.scores.output_impact`). The attention weights are recomputed from
+renormalised (see `kvjax.policies.scores.output_impact`). The attention weights are recomputed from
 q, K and the per-query-head log-sum-exp of the attention pass,
 a_hi = exp(q_h . k_i * scale - lse_h), rather than taken as a [B, Hq, N] probability
 input: the kernel then reads only K/V pages through the page table (the bytes attention
@@ -54,7 +54,7 @@ from pallas_kernels._common import (
     validate_paged_args,
 )
 
-DEFAULT_EPS = 1e-6  # same clamp of 1 - a as kvjax.scores.output_impact
+DEFAULT_EPS = 1e-6  # same clamp of 1 - a as kvjax.policies.scores.output_impact
 
 
 def validate_output_impact_args(q, k_pages, v_pages, page_table, lengths, out, lse):

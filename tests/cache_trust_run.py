@@ -20,7 +20,7 @@ def main(checkpoint: str) -> None:
 
   import kvjax
   import models
-  from kvjax import compilation
+  from kvjax.runtime import compilation
   from kvjax.testing import ByteTokenizer, tiny_llama
 
   spec = kvjax.CompressionSpec(policy="h2o", budget=24, prefill_chunk=8)

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import kvjax  # noqa: E402
 from kvjax import policies  # noqa: E402
 from kvjax.policies.learned import Scorer  # noqa: E402
-from kvjax.seam import model_fingerprint  # noqa: E402
+from kvjax.fingerprint import model_fingerprint  # noqa: E402
 from kvjax import sharding  # noqa: E402
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama  # noqa: E402
 

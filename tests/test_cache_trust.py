@@ -1,5 +1,5 @@
 """kvjax's cache directory is trusted like code, so only this user's own, authenticated
-entries are used (models.cache_dir, kvjax.compilation, models.weight_cache)."""
+entries are used (kvjax_store.cache_dir, kvjax.runtime.compilation, models.weight_cache)."""
 
 import json
 import os
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import models
-from kvjax.config import cache_dir
 from kvjax.testing import tiny_hf_checkpoint
-from models import cache_dir as private_cache
+from kvjax_store import cache_dir as private_cache
+from kvjax_store.cache_dir import private_dir
 from models import weight_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
 
 
 def test_cache_directories_are_made_private(private):
-  assert cache_dir("executables") == private / "executables"
+  assert private_dir("executables") == private / "executables"
   for path in (private, private / "executables"):
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
   key = private_cache.key_file()
@@ -133,11 +133,11 @@ def test_a_cache_directory_others_can_write_is_not_used(private, where, mode, re
   (private / "executables").mkdir(parents=True)
   (private / where).chmod(mode)
   with pytest.warns(UserWarning, match=f"not using the cache directory {private / where}.*{reason}"):
-    assert cache_dir("executables") is None
+    assert private_dir("executables") is None
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # said once per process
-    assert cache_dir("executables") is None
-  assert (cache_dir() is None) == (where == "")  # the root alone may still be fine
+    assert private_dir("executables") is None
+  assert (private_dir() is None) == (where == "")  # the root alone may still be fine
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a directory away needs root")
@@ -145,7 +145,7 @@ def test_a_cache_directory_of_another_user_is_not_used(private):
   private.mkdir(mode=0o700)
   os.chown(private, 4242, -1)
   with pytest.warns(UserWarning, match="belongs to another user"):
-    assert cache_dir() is None
+    assert private_dir() is None
 
 
 def test_a_key_others_can_read_is_not_used(private):
@@ -154,13 +154,13 @@ def test_a_key_others_can_read_is_not_used(private):
   key.write_bytes(os.urandom(32))
   key.chmod(0o644)
   with pytest.warns(UserWarning, match="cache key .* cannot be used .*mode 644"):
-    assert cache_dir() is None
+    assert private_dir() is None
   assert "cannot be used" in private_cache.describe()
 
 
 def test_the_cache_can_be_turned_off(monkeypatch):
   monkeypatch.setenv("KVJAX_CACHE_DIR", "off")
-  assert cache_dir() is None and private_cache.describe().startswith("off")
+  assert private_dir() is None and private_cache.describe().startswith("off")
 
 
 def test_converted_weights_are_keyed_on_the_source_content(private, tmp_path):

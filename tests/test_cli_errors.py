@@ -6,7 +6,7 @@ import shlex
 import pytest
 
 from kvjax import cli
-from kvjax.benchmarks.cli_errors import run, table_rows
+from benchmarks.cli_errors import run, table_rows
 
 ROWS = table_rows()
 

@@ -49,7 +49,7 @@ def test_generate_refuses_what_the_model_cannot_do_and_fails_what_breaks_while_r
   def broken(*args, **kwargs):  # e.g. a bad value found while decoding
     raise ValueError("the decoded state is inconsistent")
 
-  monkeypatch.setattr(kvjax.generation, "decode", broken)
+  monkeypatch.setattr(kvjax.runtime.generation, "decode", broken)
   for extra in ([], ["--json"]):
     code, line = _main(capsys, "generate", "hi", "--no-chat", "--max-new-tokens", "4", *extra)
     assert code == 1, line
@@ -127,7 +127,7 @@ def test_tune_fails_with_1_once_it_began(tiny, tmp_path, capsys, monkeypatch):
 
 
 def test_train_scorer_checks_the_model_then_fails_with_1(tiny, tmp_path, capsys, monkeypatch):
-  from kvjax import training
+  from kvjax.tuning import scorer_training as training
 
   text = tmp_path / "text.txt"
   text.write_text("The grass is green and the sky is blue. " * 40)
@@ -141,7 +141,7 @@ def test_train_scorer_checks_the_model_then_fails_with_1(tiny, tmp_path, capsys,
 
 
 def test_doctor_has_no_input_so_its_errors_exit_1(capsys, monkeypatch):
-  from kvjax import doctor
+  from kvjax.cli import doctor
 
   monkeypatch.setattr(doctor, "report", _full_disk)
   code, line = _main(capsys, "doctor", "--json", "--no-self-check")

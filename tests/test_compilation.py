@@ -1,11 +1,11 @@
-"""kvjax.compilation: steps kept in the process, stored on disk, loaded without tracing."""
+"""kvjax.runtime.compilation: steps kept in the process, stored on disk, loaded without tracing."""
 
 import json
 
 import jax
 import kvjax
 import pytest
-from kvjax import compilation
+from kvjax.runtime import compilation
 from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models.llama import Llama
 

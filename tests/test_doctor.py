@@ -5,7 +5,8 @@ import json
 
 import numpy as np
 
-from kvjax import cli, doctor
+from kvjax import cli
+from kvjax.cli import doctor
 from kvjax.testing import tiny_llama
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import kvjax
 from kvjax import eval as E
-from kvjax.allocation import HeadAllocation
+from kvjax.eviction.allocation import HeadAllocation
 from kvjax.eval import _data, _report, _sweep, _tasks
 from kvjax.fingerprint import model_fingerprint
 from kvjax.testing import tiny_llama

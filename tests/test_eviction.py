@@ -4,7 +4,7 @@ import pytest
 
 import kvjax
 from pallas_kernels.group_importance import group_importance
-from kvjax.eviction import lowest
+from kvjax.eviction.fixed_shape import lowest
 from kvjax.testing import assert_cache_invariants
 
 

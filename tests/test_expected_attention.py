@@ -11,9 +11,9 @@ from flax import nnx
 
 import kvjax
 from kvjax import policies
-from kvjax import scores as S
+from kvjax.policies import scores as S
 from kvjax.policies import AttentionStats, ExpectedAttention
-from kvjax.state import copy as _copy
+from kvjax.runtime.state import copy as _copy
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 
 CONTEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 4
@@ -212,7 +212,7 @@ def test_chunked_prefill_scores_equal_the_definition_on_the_models_own_queries(s
   rows = [tokenizer.encode(CONTEXT[:150]), tokenizer.encode(CONTEXT[:70])]
   policy = ExpectedAttention(n_future=64)
   spec = kvjax.CompressionSpec(policy=policy, budget=0.25, prefill_chunk=32, sink=4)
-  scores, valid = kvjax.session.context_scores(model, rows, spec)
+  scores, valid = kvjax.runtime.session.context_scores(model, rows, spec)
   for row, ids in enumerate(rows):
     t = len(ids)
     assert valid[:, row, :, :t].all() and not valid[:, row, :, t:].any()
@@ -300,7 +300,7 @@ def test_extra_state_travels_through_every_cache_operation():
   cache = kvjax.append(cache, k, k, jnp.arange(16)[None])
   evicted = jax.jit(kvjax.evict)(cache, jnp.zeros((1, 1, 1, 32)))
   assert int(evicted.length.max()) == 8
-  truncated = kvjax.eviction.truncate(evicted, jnp.full((1, 1, 1), 4))
+  truncated = kvjax.eviction.fixed_shape.truncate(evicted, jnp.full((1, 1, 1), 4))
   for c in (cache, evicted, truncated, _copy(truncated)):
     np.testing.assert_array_equal(c.extra["marker"], marker)
   updated = truncated.with_extra(marker=jnp.zeros((2, 3)))
@@ -318,7 +318,7 @@ def test_the_session_sizes_the_statistics_by_the_models_query_heads(tiny, monkey
   c = model.config
   assert kvjax.seam.query_heads(model) == c.n_heads == 4
   spec = kvjax.CompressionSpec(policy="expected_attention", budget=0.25, prefill_chunk=32)
-  state = kvjax.session.begin(model, [CONTEXT[:40]], spec, tokenizer, False, 0, 0, None).state
+  state = kvjax.runtime.session.begin(model, [CONTEXT[:40]], spec, tokenizer, False, 0, 0, None).state
   shapes = {name: x.shape for name, x in state.cache.extra.items()}
   assert shapes == {
       "query_count": (c.n_layers, 1),
@@ -326,7 +326,7 @@ def test_the_session_sizes_the_statistics_by_the_models_query_heads(tiny, monkey
       "query_m2": (c.n_layers, 1, 4, c.head_dim, c.head_dim),
   }
   # Other policies keep none (and cost no abstract call of the model).
-  monkeypatch.setattr(kvjax.session, "query_heads", None)
+  monkeypatch.setattr(kvjax.runtime.session, "query_heads", None)
   h2o = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=4)
-  state = kvjax.session.begin(model, [CONTEXT[:40]], h2o, tokenizer, False, 0, 0, None).state
+  state = kvjax.runtime.session.begin(model, [CONTEXT[:40]], h2o, tokenizer, False, 0, 0, None).state
   assert state.cache.extra == {}

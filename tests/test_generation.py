@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import compilation, sampling
+from kvjax.runtime import compilation, sampling
 from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models import load_llama
 

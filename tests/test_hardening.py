@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvjax
 from kvjax import cli
 from kvjax.eval import _data, _report, _sweep
-from kvjax.generation import TextStream
+from kvjax.runtime.generation import TextStream
 from kvjax.testing import ByteTokenizer, tiny_llama
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer

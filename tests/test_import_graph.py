@@ -5,7 +5,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kvjax", "models", "pallas_kernels")
+PACKAGES = ("kvjax", "kvjax_store", "models", "pallas_kernels")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -96,6 +96,6 @@ def test_the_finder_sees_a_cycle():
 
 def test_no_import_cycles():
   graph = import_graph()
-  assert {"kvjax.session", "kvjax.pages", "models.registry"} <= graph.keys()
-  assert "kvjax.pages" in graph["kvjax.pool"]  # the graph sees our imports
+  assert {"kvjax.runtime.session", "kvjax.cache.pages", "models.registry"} <= graph.keys()
+  assert "kvjax.cache.pages" in graph["kvjax.runtime.pool"]  # the graph sees our imports
   assert cycles(graph) == []

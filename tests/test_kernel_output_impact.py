@@ -1,5 +1,5 @@
 """Pallas output-impact kernel against its reference, and the reference against
-kvjax.scores.output_impact (interpret mode off TPU)."""
+kvjax.policies.scores.output_impact (interpret mode off TPU)."""
 
 import functools
 
@@ -12,7 +12,7 @@ import kernel_helpers as kh
 from kernel_helpers import release_compiled_code  # noqa: F401 (autouse fixture)
 
 import pallas_kernels.output_impact as oi
-from kvjax import scores
+from kvjax.policies import scores
 from pallas_kernels.output_impact import output_impact, output_impact_reference
 from pallas_kernels.paged_attention import paged_attention
 
@@ -49,7 +49,7 @@ def test_kernel_matches_reference(
 
 
 def _reference_and_scores(q, kp, vp, table, lens):
-  """output_impact_reference, and the same numbers through kvjax.scores.output_impact
+  """output_impact_reference, and the same numbers through kvjax.policies.scores.output_impact
   (softmax probabilities per query head, logical V, output O)."""
   out, head_probs, lse = paged_attention(
       q, kp, vp, table, lens, impl="ref", per_query_head=True, return_lse=True

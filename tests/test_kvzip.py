@@ -9,6 +9,7 @@ import pytest
 
 import kvjax
 from kvjax import policies
+from kvjax.eviction import budgets
 from kvjax.policies import AttentionStats
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 
@@ -63,12 +64,12 @@ VALID = jnp.ones(SCORES.shape, bool)
     ],
 )
 def test_head_budgets_share_the_budget_as_asked(sharing, expected):
-  counts = policies.head_budgets(SCORES, PROTECTED, VALID, jnp.array([2, 2]), sharing, floor=0.5)
+  counts = budgets.head_budgets(SCORES, PROTECTED, VALID, jnp.array([2, 2]), sharing, floor=0.5)
   np.testing.assert_array_equal(np.asarray(counts)[:, 0], expected)
 
 
 def test_threshold_counts_exactly_the_tokens_above_it_and_the_protected():
-  counts = policies.head_budgets(SCORES, PROTECTED, VALID, 2, "global", threshold=4.0)
+  counts = budgets.head_budgets(SCORES, PROTECTED, VALID, 2, "global", threshold=4.0)
   # Above 4: 9 8 7 6 | - | 5 | -; protected slot (score 0) of layer 1, head 1 counts in.
   np.testing.assert_array_equal(np.asarray(counts)[:, 0], [[4, 0], [1, 1]])
 
@@ -97,7 +98,7 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   """Every context token is scored by the repeat passes; a token the model attends to more
   while repeating ranks higher than one it ignores (checked on the score slot directly)."""
   model, tokenizer = tiny
-  from kvjax import steps
+  from kvjax.runtime import steps
 
   seen = []
   real = steps.prefill_chunks
@@ -138,7 +139,7 @@ def test_truncate_drops_the_tail_and_returns_its_pages():
   cache = kvjax.init_cache(cfg, 1, 2, 1, 4, chunk=16, slots=policies.KVzip.slots)
   k = jnp.ones((1, 2, 14, 1, 4))
   cache = kvjax.append(cache, k, k, jnp.broadcast_to(jnp.arange(14), (2, 14)), jnp.array([14, 9]))
-  cut = kvjax.eviction.truncate(cache, jnp.array([[[6], [9]]]))
+  cut = kvjax.eviction.fixed_shape.truncate(cache, jnp.array([[[6], [9]]]))
   np.testing.assert_array_equal(np.asarray(cut.length)[0, :, 0], [6, 9])
   assert kvjax.read_sequence(cut, 0, 0, 0)[2].tolist() == list(range(6))
   assert int(cut.pages_in_use().sum()) == 2 + 3
@@ -157,7 +158,7 @@ class _SecondSpanOnly(policies.KVzip):
         cache=state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
     )
     rows = [row[64:128] or [1] for row in context.ids]  # a row shorter than 64: one token
-    piece = kvjax.prompts.EncodedPrompts(
+    piece = kvjax.runtime.prompts.EncodedPrompts(
         rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows]
     )
     position = state.position
@@ -173,7 +174,7 @@ def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_stretch(tiny, lookba
   long, short = tokenizer.encode(CONTEXT)[:200], tokenizer.encode(CONTEXT)[:50]
   policy = _SecondSpanOnly(chunk=64, lookback=lookback)
   spec = kvjax.CompressionSpec(policy=policy, budget=0.5, sink=4, recent=8)
-  scores, valid = kvjax.session.context_scores(model, [long, short], spec, tokenizer=tokenizer)
+  scores, valid = kvjax.runtime.session.context_scores(model, [long, short], spec, tokenizer=tokenizer)
   # The table is back as it was: every context token live, nothing past it.
   np.testing.assert_array_equal(valid[:, 0].sum(-1), 200)
   np.testing.assert_array_equal(valid[:, 1].sum(-1), 50)
@@ -193,7 +194,7 @@ def test_chunk_and_context_reconstruction_agree_when_one_chunk_holds_the_context
   model, tokenizer = tiny
   ids = tokenizer.encode(CONTEXT)[:120]
   got = {
-      attend_to: kvjax.session.context_scores(
+      attend_to: kvjax.runtime.session.context_scores(
           model,
           [ids],
           kvjax.CompressionSpec(
@@ -218,7 +219,7 @@ def test_kvzip_refuses_a_bad_attend_to():
 
 def test_a_span_read_refuses_a_span_that_is_not_whole_pages(tiny):
   model, tokenizer = tiny
-  reader = kvjax.steps.ContextReader(model, tokenizer, kvjax.seam.ModelShape.of(model))
+  reader = kvjax.runtime.steps.ContextReader(model, tokenizer, kvjax.seam.ModelShape.of(model))
   state = kvjax.prefill(model, [CONTEXT[:40]], kvjax.CompressionSpec(), tokenizer=tokenizer)
   for bad in (
       {"start": 8, "span": 16},

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import cli, policies, training
+from kvjax import cli, policies
+from kvjax.tuning import scorer_training as training
 from kvjax.policies.learned import Scorer
-from kvjax.seam import model_fingerprint
-from kvjax.session import context_scores
+from kvjax.fingerprint import model_fingerprint
+from kvjax.runtime.session import context_scores
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
 
 TEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 40
@@ -243,7 +244,7 @@ def test_bad_scorer_and_training_arguments_are_clear_errors(tiny):
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
   """Written by hand (as a damaged or hostile file would be): refused by name, never used."""
-  from kvjax import _files
+  from kvjax_store import files as _files
   from kvjax.policies import learned as scorer_module
 
   weight = np.zeros((2, 4, 3), np.float32)

@@ -20,10 +20,10 @@ import pytest
 
 import kvjax
 from kvjax import persistence
-from kvjax.allocation import HeadAllocation
-from kvjax.seam import model_fingerprint
+from kvjax.eviction.allocation import HeadAllocation
+from kvjax.fingerprint import model_fingerprint
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
-from models.weight_cache import arrays_digest
+from kvjax_store.files import arrays_digest
 
 # orbax leaves an asyncio callback behind when a restore of damaged files fails.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -320,7 +320,7 @@ def test_twenty_kills_while_saving_each_leave_the_old_or_the_new_state(model, tm
 def test_cli_prefill_saves_a_state_that_ask_answers_from(tmp_path):
   """The real model, end to end: a context saved once, two questions answered from the
   saved state in another process (identical answers before and after saving are checked
-  by the tiny-model round trip above and by `kvjax.benchmarks.persistence`)."""
+  by the tiny-model round trip above and by `benchmarks.persistence`)."""
   context = tmp_path / "context.txt"
   context.write_text("My name is Ada and my cat is called Pixel. " * 4)
   save = tmp_path / "state"
@@ -353,7 +353,7 @@ def test_weights_are_converted_once_and_read_back_from_the_cache(tmp_path, monke
   import jax
 
   from models import registry, weight_cache
-  from models.cache_dir import private_dir
+  from kvjax_store.cache_dir import private_dir
   from models.llama import load_llama
 
   monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
@@ -558,7 +558,7 @@ import collections, json, sys, time
 import kvjax
 from kvjax import persistence
 from kvjax.testing import tiny_llama
-from models.weight_cache import arrays_digest
+from kvjax_store.files import arrays_digest
 model = tiny_llama(**json.loads(sys.argv[1]))
 role, target, seconds = sys.argv[2], sys.argv[3], float(sys.argv[4])
 given = json.loads(sys.stdin.readline())  # sent once this process has imported all

@@ -1,4 +1,4 @@
-"""Directories of learned parameters (`kvjax._files.write_params` / `read_params`: the learned
+"""Directories of learned parameters (`kvjax_store.files.write_params` / `read_params`: the learned
 scorer, head allocations, `kvjax tune`): overwritten in one step, so a reader finds the old
 directory or the new one, whole, at every moment and after a crash at any step."""
 
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvjax import _files
+from kvjax_store import files as _files
 
 # orbax leaves an asyncio callback behind when a read of a directory being replaced fails.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

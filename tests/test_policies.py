@@ -11,9 +11,11 @@ import pytest
 
 import kvjax
 from kvjax import policies
-from kvjax import scores as S
+from kvjax.policies import scores as S
 from kvjax import Segment
-from kvjax.policies import AttentionStats, EvictionPlan, info_aware
+from kvjax.policies import AttentionStats, info_aware
+from kvjax.eviction import budgets
+from kvjax.eviction.budgets import EvictionPlan
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
 from models import load_llama
 
@@ -574,7 +576,7 @@ def test_peak_kv_of_the_default_model_within_bound(smollm, name):
     [(64, 8, 1, 4), (16, 4, 1, 8), (128, 30, 16, 64), (48, 30, 16, 32), (12, 30, 1, 7)],
 )
 def test_pyramid_budgets_fall_keep_the_mean_and_respect_the_floor(budget, layers, group, floor):
-  b = policies.layer_budgets(budget, layers, "pyramid", group, floor)
+  b = budgets.layer_budgets(budget, layers, "pyramid", group, floor)
   assert b.shape == (layers,) and b.dtype == np.int32
   assert (np.diff(b) <= 0).all() and b[0] > b[-1]
   assert (b >= floor).all() and (b % group == 0).all()
@@ -582,19 +584,19 @@ def test_pyramid_budgets_fall_keep_the_mean_and_respect_the_floor(budget, layers
   if group == 1 and floor <= budget // 2:
     assert (np.diff(b) < 0).all()  # strictly decreasing when nothing rounds or floors
   np.testing.assert_array_equal(
-      policies.layer_budgets(budget, layers, "uniform", group, floor), budget
+      budgets.layer_budgets(budget, layers, "uniform", group, floor), budget
   )
 
 
 def test_pyramid_budgets_keep_the_mean_when_the_floor_binds():
-  b = policies.layer_budgets(20, 5, "pyramid", 1, 18)
+  b = budgets.layer_budgets(20, 5, "pyramid", 1, 18)
   assert (b >= 18).all()
   assert abs(b.sum() - 100) <= 5 / 2
 
 
 def test_layer_budgets_reject_an_unknown_schedule():
   with pytest.raises(ValueError, match="budget schedule must be one of"):
-    policies.layer_budgets(16, 4, "linear", 1, 4)
+    budgets.layer_budgets(16, 4, "linear", 1, 4)
 
 
 def test_pyramid_holds_about_the_uniform_pages_and_fewer_than_its_largest_layer(tiny):
@@ -681,7 +683,7 @@ def test_fair_scores_are_quantiles_within_each_segment():
   segment = np.array([1, 2, 2, 1, 2, 2, 1, 2, 2, 1, 2, 2, 0, 0, 1, 1])
   valid = np.arange(16) < 14
   scores = np.array([0.3, 5, 1, 0.1, 7, 3, 0.4, 8, 2, 0.2, 6, 4, 9, -1, -5, 50], np.float32)
-  out = policies.fair_scores(
+  out = budgets.fair_scores(
       jnp.asarray(scores)[None, None, None],
       jnp.asarray(segment)[None, None, None],
       jnp.asarray(valid)[None, None, None],
@@ -763,8 +765,8 @@ def test_knorm_scores_are_the_negated_norms_of_the_cached_keys():
   state = kvjax.prefill(model, [ids], kvjax.CompressionSpec(policy="knorm", budget=64))
   state, _ = kvjax.decode(model, state, 20)  # one eviction event while decoding
   cache = state.cache
-  keys = np.asarray(kvjax.cache.logical_view(cache, cache.k_pages))  # [L, B, H, N, D]
-  valid = np.asarray(kvjax.cache.valid_mask(cache))
+  keys = np.asarray(kvjax.cache.paged_cache.logical_view(cache, cache.k_pages))  # [L, B, H, N, D]
+  valid = np.asarray(kvjax.cache.paged_cache.valid_mask(cache))
   scores = np.asarray(policies.KeyNorm().scores(cache, None))
   np.testing.assert_allclose(
       scores[valid], -np.linalg.norm(keys, axis=-1)[valid], rtol=1e-6, atol=1e-6
@@ -843,8 +845,8 @@ def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
   ]
   lean, full = states
   np.testing.assert_array_equal(
-      np.asarray(kvjax.cache.logical_view(lean.cache, lean.cache.slot("position"))),
-      np.asarray(kvjax.cache.logical_view(full.cache, full.cache.slot("position"))),
+      np.asarray(kvjax.cache.paged_cache.logical_view(lean.cache, lean.cache.slot("position"))),
+      np.asarray(kvjax.cache.paged_cache.logical_view(full.cache, full.cache.slot("position"))),
   )
   np.testing.assert_allclose(np.asarray(lean.logits), np.asarray(full.logits), atol=1e-5)
 

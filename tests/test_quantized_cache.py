@@ -81,7 +81,7 @@ def test_eviction_moves_codes_and_scales_with_their_tokens(kv_dtype, group_size)
 def test_truncate_frees_pages_whose_scales_the_next_owner_overwrites(kv_dtype):
   cache, _, _ = _filled(kv_dtype)
   before = _sequence(cache, 0, 1)
-  cut = kvjax.eviction.truncate(cache, jnp.full((2, 1, 2), 9, jnp.int32))
+  cut = kvjax.eviction.fixed_shape.truncate(cache, jnp.full((2, 1, 2), 9, jnp.int32))
   assert_cache_invariants(cut)
   k, v, pos = _sequence(cut, 0, 1)
   np.testing.assert_array_equal(k, before[0][:9])

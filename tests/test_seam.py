@@ -129,7 +129,7 @@ def test_every_spec_field_has_a_cli_flag_that_reaches_the_spec():
 def test_the_allocation_flag_reaches_the_spec(tmp_path):
   import numpy as np
 
-  from kvjax.allocation import HeadAllocation
+  from kvjax.eviction.allocation import HeadAllocation
 
   saved = HeadAllocation(np.zeros((2, 2), np.float32), "kvzip", True, 1.0, "tiny", "x")
   path = str(saved.save(tmp_path / "allocation").path)

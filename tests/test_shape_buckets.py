@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.sizing import BUCKET_TOKENS, capacity_bucket
+from kvjax.cache.sizing import BUCKET_TOKENS, capacity_bucket
 from kvjax.testing import ByteTokenizer, tiny_llama
 
 
@@ -47,7 +47,7 @@ def test_contexts_compressed_once_share_one_pool_size_and_compile_once():
   counts) gets the pool its budget bounds, not an exact fit: the second and later
   prompts compile nothing; protected tokens beyond the budget take a larger pool that
   still holds them."""
-  from kvjax import sizing
+  from kvjax.cache import sizing
 
   model, tok = tiny_llama(max_context=1024), ByteTokenizer()
   rng = np.random.default_rng(2)
@@ -126,7 +126,7 @@ def test_steps_kvjax_drops_free_their_code(monkeypatch):
   """JAX keeps every executable it compiled; on CPU each holds ~450 memory maps of JIT
   code, and a process dies at vm.max_map_count (65530) after ~140 of them. kvjax keeps
   `MAX_KEPT` steps and frees the rest, so a long run's maps stay bounded."""
-  from kvjax import compilation
+  from kvjax.runtime import compilation
 
   monkeypatch.setattr(compilation, "MAX_KEPT", 2)
   compilation._KEPT.clear()  # start from no kept steps, whatever ran before
@@ -149,7 +149,7 @@ def test_steps_kvjax_drops_free_their_code(monkeypatch):
 
 
 def test_the_eviction_margin_grows_with_the_budget():
-  from kvjax.sizing import margin
+  from kvjax.cache.sizing import margin
 
   assert [margin(16, b) for b in (24, 256, 511, 512, 1024, 4096)] == [16, 16, 16, 32, 64, 256]
   assert kvjax.CacheConfig(page_size=16, max_tokens=2048, budget=1024).threshold == 1088

@@ -13,7 +13,7 @@ from flax import nnx
 import kvjax
 from pallas_kernels.page_format import token_bytes
 from kvjax import cli
-from kvjax.allocation import HeadAllocation
+from kvjax.eviction.allocation import HeadAllocation
 from kvjax.eval import fidelity
 from kvjax.testing import ByteTokenizer, tiny_llama
 from kvjax.tuning import (
@@ -58,7 +58,7 @@ def _random_allocation(model, policy, seed=1):
       log_scores=True,
       scale=2.0,
       model="tiny",
-      fingerprint=kvjax.seam.model_fingerprint(model),
+      fingerprint=kvjax.fingerprint.model_fingerprint(model),
   )
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvjax import cli
-from kvjax.warmup import default_lengths
+from kvjax.runtime.warmup import default_lengths
 
 # A process that runs `kvjax ...` (argv) on a tiny model, or one request when argv is
 # "request", and prints its compile stats.
@@ -77,7 +77,7 @@ def test_warmup_refuses_bad_input_before_any_work(
   model = tiny_llama(max_context=256)
   monkeypatch.setattr(cli, "_load", lambda name: (model, ByteTokenizer()))
   monkeypatch.setattr(
-      "kvjax.warmup.warmup", lambda *a, **k: pytest.fail("warmup ran"), raising=True
+      "kvjax.runtime.warmup.warmup", lambda *a, **k: pytest.fail("warmup ran"), raising=True
   )
   assert cli.main(["warmup", *argv]) == 2
   err = capsys.readouterr().err
@@ -91,11 +91,11 @@ def test_default_lengths_cover_every_bucket_and_short_prompt():
 
 
 def test_the_python_api_refuses_bad_input_before_any_request(monkeypatch):
-  import kvjax.generation
+  import kvjax.runtime.generation
   from kvjax.testing import ByteTokenizer, tiny_llama
-  from kvjax.warmup import warmup
+  from kvjax.runtime.warmup import warmup
 
-  monkeypatch.setattr(kvjax.generation, "generate", lambda *a, **k: pytest.fail("ran"))
+  monkeypatch.setattr(kvjax.runtime.generation, "generate", lambda *a, **k: pytest.fail("ran"))
   model, tokenizer = tiny_llama(max_context=256), ByteTokenizer()
   for options, message in [
       ({"batch": 0}, "batch must be an int >= 1, got 0"),

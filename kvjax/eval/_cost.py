@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvjax.pages import pages_for
-from kvjax.session import compile_stats, decode, fork, prefill
+from kvjax.cache.pages import pages_for
+from kvjax.runtime.compilation import compile_stats
+from kvjax.runtime.session import decode, fork, prefill
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
 

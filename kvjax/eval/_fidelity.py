@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.session import decode, prefill
+from kvjax.runtime.session import decode, prefill
 from kvjax.spec import CompressionSpec
 
 

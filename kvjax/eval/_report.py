@@ -12,7 +12,7 @@ import tempfile
 import jax
 import numpy as np
 
-from kvjax import _files
+from kvjax_store import files as _files
 from kvjax.seam import model_record
 
 SCHEMA = "kvjax-results/1"

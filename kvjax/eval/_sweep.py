@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from kvjax.allocation import HeadAllocation
+from kvjax.eviction.allocation import HeadAllocation
 from kvjax.eval import _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy

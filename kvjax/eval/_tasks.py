@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.cache import logical_view, valid_mask
+from kvjax.cache.paged_cache import logical_view, valid_mask
 from kvjax.eval import _data
 from kvjax.eval._fidelity import continuation_logits, fidelity, full_cache_spec
-from kvjax.prompts import Segment
-from kvjax.session import decode, extend, prefill
+from kvjax.runtime.prompts import Segment
+from kvjax.runtime.session import decode, extend, prefill
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
 

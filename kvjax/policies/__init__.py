@@ -1,7 +1,8 @@
-"""Eviction policies: what each token's score is (a module per family), and how budgets
-are spread (`budgets`). `base` says what a policy declares and which hooks it has; a new
+"""Eviction policies: what each token's score is, a module per family. `base` says what a
+policy declares and which hooks it has; `scores` holds the score primitives (pure jnp). A new
 policy is a subclass in a file of its own, made selectable by name with `register`
-(`examples/custom_policy.py`, `docs/policies.md`)."""
+(`examples/custom_policy.py`, `docs/policies.md`). How a budget is shared and what goes is
+`kvjax.eviction`'s: policies score, eviction decides."""
 
 from kvjax.policies.attention import AttentionHistory, GroupHistory, MeanAttention, SnapKV, Tova
 from kvjax.policies.base import (
@@ -15,16 +16,6 @@ from kvjax.policies.base import (
     register,
     write_layer,
     write_new_tokens,
-)
-from kvjax.policies.budgets import (
-    ADAKV_FLOOR,
-    BUDGET_SCHEDULES,
-    HEAD_BUDGETS,
-    EvictionPlan,
-    evict_once,
-    fair_scores,
-    head_budgets,
-    layer_budgets,
 )
 from kvjax.policies.expected_attention import ExpectedAttention
 from kvjax.policies.info_aware import INFO, InfoAware
@@ -54,9 +45,6 @@ for _cls in (
   register(_cls)
 
 __all__ = [
-    "ADAKV_FLOOR",
-    "BUDGET_SCHEDULES",
-    "HEAD_BUDGETS",
     "INFO",
     "POLICIES",
     "READS",
@@ -64,7 +52,6 @@ __all__ = [
     "AttentionHistory",
     "AttentionStats",
     "DropKV",
-    "EvictionPlan",
     "ExpectedAttention",
     "Full",
     "GroupHistory",
@@ -81,11 +68,7 @@ __all__ = [
     "SnapKV",
     "Streaming",
     "Tova",
-    "evict_once",
-    "fair_scores",
     "get_policy",
-    "head_budgets",
-    "layer_budgets",
     "read_layer",
     "register",
     "write_layer",

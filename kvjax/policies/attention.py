@@ -9,8 +9,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax import scores as S
-from kvjax.cache import Slot, logical_view, valid_mask
+from kvjax.policies import scores as S
+from kvjax.cache.paged_cache import Slot, logical_view, valid_mask
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
 
 

@@ -34,8 +34,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvjax.cache import PagedKVCache, Slot, logical_view, valid_mask
-from kvjax.pages import token_slots
+from kvjax.cache.paged_cache import PagedKVCache, Slot, logical_view, valid_mask
+from kvjax.cache.pages import token_slots
 
 READS = frozenset({"probs", "head_probs", "lse", "logits", "head_output"})
 MODES = ("running", "once")

@@ -8,8 +8,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import scores as S
-from kvjax.cache import Slot, logical_view, valid_mask
+from kvjax.policies import scores as S
+from kvjax.cache.paged_cache import Slot, logical_view, valid_mask
 from kvjax.policies.base import SCORE, Policy, read_layer, require_model_method, write_layer
 from kvjax._checks import check_int
 
@@ -26,7 +26,7 @@ class ExpectedAttention(Policy):
   context are modelled as q = R_p q0 with q0 ~ N(mu, Sigma); averaging the rotation over
   those positions (Rbar) gives mu' = Rbar mu and Sigma' = Rbar Sigma Rbar^T, to compare with
   the cached keys, already rotated (q_p . k_j = (R_p q0) . (R_j k0)). A key's score is the
-  softmax over its sequence of the expected logit `kvjax.scores.expected_attention`,
+  softmax over its sequence of the expected logit `kvjax.policies.scores.expected_attention`,
   averaged over the query heads of its kv head, times ||v_j|| (`use_vnorm`).
 
   Scores are recomputed from the statistics so far after each chunk (for every live key of

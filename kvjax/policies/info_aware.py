@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from kvjax import scores as S
-from kvjax.cache import Slot, logical_view, valid_mask
-from kvjax.eviction import sort_keys
+from kvjax.policies import scores as S
+from kvjax.cache.paged_cache import Slot, logical_view, valid_mask
+from kvjax.eviction.fixed_shape import sort_keys
 from kvjax.policies.attention import AttentionHistory
 from kvjax.policies.base import SCORE, write_new_tokens
 

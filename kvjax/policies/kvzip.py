@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from kvjax import sharding as shards
-from kvjax.cache import Slot, logical_view
-from kvjax.pages import pages_for
+from kvjax.cache.paged_cache import Slot, logical_view, to_host
+from kvjax.cache.pages import pages_for
 from kvjax.policies.base import SCORE, Policy, read_layer, require_model_method, write_layer
-from kvjax.prompts import EncodedPrompts
+from kvjax.runtime.prompts import EncodedPrompts
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 ATTEND_TO = ("chunk", "context")
@@ -60,7 +59,7 @@ class KVzip(Policy):
     model repeat it, one chunk per pass; a key's score is the most attention any repeating
     query pays it. Each pass's tokens are dropped again: memory peaks at the context + one
     chunk."""
-    first = shards.to_host(state.position)  # [B] where each row's context starts
+    first = to_host(state.position)  # [B] where each row's context starts
     state = reader.read(state, context, observe=False, progress=progress)
     tokenizer, max_context = reader.tokenizer, reader.shape.max_context
     prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []

@@ -4,7 +4,7 @@ orbax-checkpoint files it is kept in, tied to the model it was trained for.
   score[l, t, h] = rms_normalise(h_in[l, t]) @ weight[l, :, h] + bias[l, h]
 
 predicts, for the token at t, the log of the score `kvzip` would give its key in layer l and
-kv head h. `kvjax.training` trains it; a trained scorer is a directory:
+kv head h. `kvjax.tuning.scorer_training` trains it; a trained scorer is a directory:
 
   <dir>/params   orbax StandardSave of {"weight": [L, d, H], "bias": [L, H]} (float32)
   <dir>/meta     orbax JsonSave: format, model name, model fingerprint, shapes, metrics
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from kvjax import _files
-from kvjax.cache import Slot
+from kvjax_store import files as _files
+from kvjax.cache.paged_cache import Slot
 from kvjax.fingerprint import model_fingerprint
 from kvjax.policies.base import SCORE, Policy, write_new_tokens
 from kvjax.sharding import my_heads
@@ -165,7 +165,7 @@ class Learned(Policy):
   token's hidden state (the layer's input, RMS-normalised) to the log of the score `kvzip`
   would give it, one output per kv head. Scoring costs one [d, H] product per token and
   layer while the context is read: no reconstruction pass. Train one for a model with
-  `kvjax train-scorer` (`kvjax.training`); the default model's ships with kvjax."""
+  `kvjax train-scorer` (`kvjax.tuning.scorer_training`); the default model's ships with kvjax."""
 
   name: ClassVar[str] = "learned"
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)

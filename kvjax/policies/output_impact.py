@@ -9,8 +9,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from kvjax import scores as S
-from kvjax.cache import Slot, logical_view
+from kvjax.policies import scores as S
+from kvjax.cache.paged_cache import Slot, logical_view
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
 from pallas_kernels import output_impact as output_impact_kernel
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import logical_view, read_pages
+from kvjax.cache.paged_cache import logical_view, read_pages
 from kvjax.policies.base import Policy
 from kvjax.sharding import shard_key
 

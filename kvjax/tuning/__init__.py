@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax import _files
+from kvjax_store import files as _files
 from kvjax.fingerprint import model_fingerprint
 from kvjax.seam import ModelShape
 from kvjax.spec import CompressionSpec

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.policies import head_budgets
+from kvjax.eviction.budgets import head_budgets
 
 NEG = -1e9  # the logit bias of a dropped token (finite: no inf - inf in gradients)
 
@@ -104,8 +104,8 @@ def hard_keep(
     ranked: Float[Array, "L B H N"], batch: Batch, sharing: str
 ) -> Bool[Array, "L B H N"]:
   """What a context compressed once keeps: each sequence's count from
-  `policies.head_budgets` (the library's own), then its best tokens by the ranking, fixed
-  ones first, ties to the earlier index (as `kvjax.eviction.evict` picks them)."""
+  `kvjax.eviction.head_budgets` (the library's own), then its best tokens by the ranking, fixed
+  ones first, ties to the earlier index (as `kvjax.eviction.fixed_shape.evict` picks them)."""
   l, b, h, n = ranked.shape
   fixed = jnp.broadcast_to(batch.fixed[None, :, None, :], ranked.shape)
   valid = jnp.broadcast_to(batch.valid[None, :, None, :], ranked.shape)

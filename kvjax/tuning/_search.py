@@ -12,12 +12,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kvjax.allocation import HeadAllocation, transform
+from kvjax.eviction.allocation import HeadAllocation, transform
 from kvjax.fingerprint import model_fingerprint
-from kvjax.pages import pages_for
+from kvjax.cache.pages import pages_for
 from kvjax.seam import ModelShape
-from kvjax.session import prefill, scored_context
-from kvjax.sizing import held_pages_bound
+from kvjax.runtime.session import prefill, scored_context
+from kvjax.cache.sizing import held_pages_bound
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _relax
 from kvjax.tuning._workload import Item

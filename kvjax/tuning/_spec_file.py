@@ -2,7 +2,7 @@
 the tuner measured) and its learned allocation in an orbax directory beside it.
 
   <out>/tuned.json
-  <out>/allocation/   (kvjax.allocation.HeadAllocation; absent when none was learned)
+  <out>/allocation/   (kvjax.eviction.allocation.HeadAllocation; absent when none was learned)
   <out>/front.png     (quality vs memory of every setting tried)
 """
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvjax.eval._data import text_windows
-from kvjax.prompts import Segment
+from kvjax.runtime.prompts import Segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def question_items(
   as `kvjax.eval.context_prompt` prefills it (the template's opening protected), then the
   question and the full cache's greedy answer, whose predictions are scored."""
   from kvjax.eval._tasks import _ask, _question_ids, _request_tokens, context_prompt
-  from kvjax.session import prefill
+  from kvjax.runtime.session import prefill
 
   items = []
   for i, case in enumerate(cases):

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
 import models  # noqa: E402
-from kvjax import cache as C  # noqa: E402
+from kvjax.cache import paged_cache as C  # noqa: E402
 from pallas_kernels import page_format as pf  # noqa: E402
 from kvjax import seam  # noqa: E402
 from kvjax.eval import _data  # noqa: E402

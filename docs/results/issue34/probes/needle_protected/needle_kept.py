@@ -41,7 +41,7 @@ for i, case in enumerate(cases):
   for policy in args.policies:
     prompt = _tasks.context_prompt(tok, ids, True)
     spec = kvjax.CompressionSpec(policy=policy, budget=256)
-    scored = kvjax.session.scored_context(model, [prompt], spec, tokenizer=tok)
+    scored = kvjax.runtime.session.scored_context(model, [prompt], spec, tokenizer=tok)
     s, valid, marked = scored.scores[:, 0], scored.valid[:, 0], scored.marked[:, 0]  # [L, H, N]
     layers, heads, _ = s.shape
     candidates = np.where(valid & ~marked, s, -np.inf)

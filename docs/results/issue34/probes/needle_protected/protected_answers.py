@@ -4,8 +4,8 @@ import sys, numpy as np, json
 from models.llama import load_llama
 import kvjax
 from kvjax.eval import _tasks, _data
-from kvjax.prompts import Segment
-from kvjax.session import prefill
+from kvjax.runtime.prompts import Segment
+from kvjax.runtime.session import prefill
 model, tok = load_llama()
 cases = _tasks.passkey_cases(tok, 2048, depths=(0.1,0.25,0.4,0.55,0.7,0.85), trials=4, fillers=("text",))
 policy = sys.argv[1]; budget = float(sys.argv[2]); mode = sys.argv[3]  # mode: digits|needle|none

@@ -1,7 +1,7 @@
 # Compute (features, targets) for 24 windows once; save for fitting experiments.
 import numpy as np, time
 from models.llama import load_llama
-from kvjax import training
+from kvjax.tuning import scorer_training as training
 from kvjax.eval._data import text_windows, default_text
 model, tok = load_llama()
 ids = tok.encode(default_text())
