@@ -8,7 +8,7 @@ import pytest
 import kvjax
 from kvjax import eval as E
 from kvjax.eviction.allocation import HeadAllocation
-from kvjax.eval import _data, _report, _sweep, _tasks
+from kvjax.eval import _answers, _data, _report, _sweep, _tasks
 from kvjax.fingerprint import model_fingerprint
 from kvjax.testing import tiny_llama
 from models import resolve_model
@@ -81,8 +81,8 @@ def test_default_text_ships_with_the_package():
 def test_passkey_case_is_exactly_the_requested_length_and_holds_the_key(tokenizer):
   for depth in (0.0, 0.5, 1.0):
     ids = _tasks.passkey_case(tokenizer, 300, depth, "48213")
-    opening, _ = _tasks._chat_parts(tokenizer, True)
-    question = _tasks._question_ids(tokenizer, _data.PASSKEY_QUESTION, True)
+    opening, _ = _answers.chat_parts(tokenizer, True)
+    question = _answers.encode_question(tokenizer, _data.PASSKEY_QUESTION, True)
     assert len(opening) + len(ids) + len(question) == 300
     assert "The pass key is 48213." in tokenizer.decode(ids)
   with pytest.raises(ValueError, match="context_tokens=60 is too short"):
@@ -104,8 +104,8 @@ def test_passkey_fillers_give_fillers_x_depths_x_trials_cases(model, tokenizer, 
   assert [(c["filler"], c["depth"]) for c in cases] == [
       (f, d) for f in ("repeat", "text") for d in (0.2, 0.8) for _ in range(2)
   ]
-  opening, _ = _tasks._chat_parts(tokenizer, True)
-  question = _tasks._question_ids(tokenizer, _data.PASSKEY_QUESTION, True)
+  opening, _ = _answers.chat_parts(tokenizer, True)
+  question = _answers.encode_question(tokenizer, _data.PASSKEY_QUESTION, True)
   for case in cases:
     text = tokenizer.decode(case["ids"])
     assert len(opening) + len(case["ids"]) + len(question) == 300
@@ -147,7 +147,7 @@ def test_needles_hide_a_key_per_door_in_real_text_and_ask_for_one(tokenizer, tex
       tokenizer, 300, depths=(0.1, 0.5, 0.9), trials=2, fillers=("text",), ids=text_ids
   )
   assert [c["answer"] for c in alone] == [c["answer"] for c in text_cases]
-  opening, _ = _tasks._chat_parts(tokenizer, True)
+  opening, _ = _answers.chat_parts(tokenizer, True)
   for case in needle_cases:
     text = tokenizer.decode(case["ids"])
     keys = re.findall(r"The pass key of the (\w+) door is (\d{5})\.", text)
@@ -155,7 +155,7 @@ def test_needles_hide_a_key_per_door_in_real_text_and_ask_for_one(tokenizer, tex
     assert dict(keys)[case["door"]] == case["answer"]
     assert len({key for _, key in keys}) == 3
     assert case["question"] == _data.DOOR_QUESTION.format(door=case["door"])
-    question = _tasks._question_ids(tokenizer, case["question"], True)
+    question = _answers.encode_question(tokenizer, case["question"], True)
     assert len(opening) + len(case["ids"]) + len(question) == 300
     # The asked key sits at its depth of the text (the others spread around it).
     body = text[len(_data.PASSKEY_INTRO) :]
@@ -170,7 +170,7 @@ def test_multi_question_case_puts_each_fact_at_its_depth(tokenizer, text_ids):
   case = _tasks.multi_question_case(tokenizer, text_ids[1000:], 600, facts)
   ids = case["ids"]
   questions = [f["question_ids"] for f in case["facts"]]
-  assert _tasks._request_tokens(tokenizer, ids, questions, True) == 600
+  assert _answers.request_tokens(tokenizer, ids, questions, True) == 600
   assert [f["depth"] for f in case["facts"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
   for (subject, key), fact in zip(facts, case["facts"]):
     sentence = tokenizer.encode(f" The code of the {subject} is {key}.")
@@ -187,7 +187,7 @@ def test_multi_question_prefills_once_and_answers_every_question_from_that_state
     model, tokenizer, text_ids, monkeypatch
 ):
   prefilled, asked = [], []
-  real_prefill, real_extend = _tasks.prefill, _tasks.extend
+  real_prefill, real_extend = _answers.prefill, _answers.extend
 
   def prefill(*args, **kwargs):
     prefilled.append(real_prefill(*args, **kwargs))
@@ -205,9 +205,9 @@ def test_multi_question_prefills_once_and_answers_every_question_from_that_state
     reply = f"It is {fact['answer']}." if fact["depth"] < 0.5 else "I do not know, 12345."
     return state, types.SimpleNamespace(tokens=[tokenizer.encode(reply)])
 
-  monkeypatch.setattr(_tasks, "prefill", prefill)
-  monkeypatch.setattr(_tasks, "extend", extend)
-  monkeypatch.setattr(_tasks, "decode", decode)
+  monkeypatch.setattr(_answers, "prefill", prefill)
+  monkeypatch.setattr(_answers, "extend", extend)
+  monkeypatch.setattr(_answers, "decode", decode)
   # One trial, so that every subject names one fact.
   cases = _tasks.multi_question_cases(tokenizer, text_ids, 300, facts=4, trials=1)
   r = E.multi_question(model, tokenizer, text_ids, context_tokens=300, facts=4, trials=1)
@@ -231,7 +231,7 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
   assert r["accuracy"] == r["correct"] / 8 and r["peak_kv_bytes"] > 0
   assert [a["case"] for a in r["answers"]] == [0] * 4 + [1] * 4
   assert all(isinstance(a["answer"], str) for a in r["answers"])
-  real, calls = _tasks.prefill, []
+  real, calls = _answers.prefill, []
 
   def flaky(*args, **kw):
     calls.append(1)
@@ -239,7 +239,7 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
       raise RuntimeError("boom")
     return real(*args, **kw)
 
-  monkeypatch.setattr(_tasks, "prefill", flaky)
+  monkeypatch.setattr(_answers, "prefill", flaky)
   r = E.multi_question(model, tokenizer, text_ids, **kwargs)
   assert r["failed"] == 1 and r["errors"] == ["RuntimeError: boom"] and r["questions"] == 8
   assert [a["answer"] for a in r["answers"][4:]] == [None] * 4
@@ -273,7 +273,7 @@ def test_answer_is_the_greedy_continuation_and_rejects_empty_input(tokenizer, mo
     held.append(int(state.cache.length.max()))
     return state
 
-  monkeypatch.setattr(_tasks, "prefill", prefill)
+  monkeypatch.setattr(_answers, "prefill", prefill)
   text = E.answer(model, tokenizer, context, question, max_new_tokens=n)
   ids = opening + context_ids + question_ids
   expected = kvjax.generate(model, tokenizer, [ids], max_new_tokens=n)
@@ -307,14 +307,14 @@ def test_answer_is_the_greedy_continuation_and_rejects_empty_input(tokenizer, mo
 )
 def test_bad_budgets_and_policies_raise_before_anything_runs(policy, budget, message):
   with pytest.raises(ValueError, match=message):
-    _tasks.resolve_budget(kvjax.CompressionSpec(policy=policy, budget=budget), 256)
+    _answers.resolve_budget(kvjax.CompressionSpec(policy=policy, budget=budget), 256)
 
 
 def test_resolve_budget_rounds_fractions_to_whole_groups():
   spec = kvjax.CompressionSpec
-  assert _tasks.resolve_budget(spec(), 256) is None
-  assert _tasks.resolve_budget(spec("h2o", 0.3), 256) == 76  # token eviction
-  assert _tasks.resolve_budget(spec("group_history", 0.3), 256) == 64  # whole 16-token pages
+  assert _answers.resolve_budget(spec(), 256) is None
+  assert _answers.resolve_budget(spec("h2o", 0.3), 256) == 76  # token eviction
+  assert _answers.resolve_budget(spec("group_history", 0.3), 256) == 64  # whole 16-token pages
 
 
 def test_a_fraction_of_a_short_prompt_keeps_the_protected_tokens():

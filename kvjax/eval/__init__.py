@@ -22,15 +22,12 @@ from kvjax.eval._report import validate as validate_results
 from kvjax.eval._report import write as write_results
 from kvjax.eval._sweep import TASKS, bench
 from kvjax.eval._sweep import run as run_sweep
+from kvjax.eval._answers import answer, answer_from_state, context_prompt, resolve_budget
 from kvjax.eval._tasks import (
-    answer,
-    answer_from_state,
-    context_prompt,
     instruction_retention,
     multi_question,
     passkey,
     perplexity,
-    resolve_budget,
     windowed_fidelity,
 )
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvjax.eviction.allocation import HeadAllocation
-from kvjax.eval import _data, _report, _tasks
+from kvjax.eval import _answers, _data, _report, _tasks
 from kvjax.eval._cost import decode_cost
 from kvjax.policies import POLICIES, get_policy
 from kvjax.spec import CompressionSpec
@@ -139,7 +139,7 @@ def configuration_specs(
       )
       for c in configurations(list(names), budgets, context_tokens)
   }
-  kept = {c: _tasks.resolve_budget(s, c[0]) for c, s in specs.items()} if resolve else {}
+  kept = {c: _answers.resolve_budget(s, c[0]) for c, s in specs.items()} if resolve else {}
   return specs, kept
 
 
@@ -252,8 +252,8 @@ def _check_request(task, options, policies, budgets, context_tokens, threshold, 
   for n in context_tokens:
     if n > limit:
       raise ValueError(f"context_tokens={n} exceeds the model context {limit}")
-    if task in _tasks.ANSWER_TOKENS:
-      _tasks.check_room(model, n, _tasks.ANSWER_TOKENS[task])
+    if task in _answers.ANSWER_TOKENS:
+      _answers.check_room(model, n, _answers.ANSWER_TOKENS[task])
   if threshold is not None and "auto" not in budgets:
     raise ValueError(f"threshold={threshold} applies only with budget 'auto'")
 

@@ -18,188 +18,21 @@ from kvjax.cache.paged_cache import logical_view, valid_mask
 from kvjax.eval import _data
 from kvjax.eval._fidelity import continuation_logits, fidelity, full_cache_spec
 from kvjax.runtime.prompts import Segment
-from kvjax.runtime.session import decode, extend, prefill
+from kvjax.eval._answers import (
+    ANSWER_TOKENS,
+    answer_and_peak,
+    ask,
+    at_budget,
+    check_room,
+    encode_question,
+    prefill_context,
+    request_tokens,
+    resolve_budget,
+    run_cases,
+)
+from kvjax.runtime.session import prefill
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
-
-
-def resolve_budget(spec: CompressionSpec | None, length: int) -> int | None:
-  """Tokens kept per sequence for a request of `length` tokens (None: the full cache).
-
-  Raises ValueError for a budget larger than the request or one that cannot hold the
-  protected sink + recent tokens."""
-  spec = CompressionSpec() if spec is None else spec
-  tokens = spec.budget_tokens(length)
-  if tokens is not None and tokens > length:
-    raise ValueError(
-        f"budget={spec.budget} ({tokens} tokens) is larger than the request of {length} "
-        "tokens: nothing would be evicted; use policy 'full' or a smaller budget"
-    )
-  return tokens
-
-
-def _at_budget(spec: CompressionSpec, length: int) -> CompressionSpec:
-  """`spec` with its budget in tokens for a request of `length` tokens."""
-  spec = CompressionSpec() if spec is None else spec
-  tokens = resolve_budget(spec, length)
-  return spec if tokens is None else spec.replace(budget=tokens)
-
-
-def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
-  """Runs `fn` on every case; returns (results, errors) with None for a crashed case."""
-  results, errors = [], []
-  for case in cases:
-    try:
-      results.append(fn(case))
-    except Exception as err:  # noqa: BLE001 - a crashed case is reported, not skipped
-      results.append(None)
-      errors.append(f"{type(err).__name__}: {err}")
-    if progress is not None:
-      progress()
-  return results, errors
-
-
-def _chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
-  """Token ids of the chat template before and after the user's message."""
-  if not chat:
-    return [], []
-  marker = "\x00kvjax\x00"
-  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
-  return tokenizer.encode(before), tokenizer.encode(after)
-
-
-def _question_ids(tokenizer, question: str, chat: bool) -> list[int]:
-  return tokenizer.encode("\n\n" + question) + _chat_parts(tokenizer, chat)[1]
-
-
-def _request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat: bool) -> int:
-  """Tokens of the request for the longest of `questions` (ids) about `context_ids`."""
-  return len(_chat_parts(tokenizer, chat)[0]) + len(context_ids) + max(map(len, questions))
-
-
-# Tokens a task answers after its request, by default: the request and they must fit the
-# model's context.
-ANSWER_TOKENS = {"passkey": 12, "multi_question": 24}
-
-
-def check_room(model, request: int, max_new_tokens: int) -> None:
-  """ValueError unless a request of `request` tokens and its answer fit the model's context."""
-  limit = getattr(model.config, "max_context", None)
-  if limit is not None and request + max_new_tokens > limit:
-    raise ValueError(
-        f"a request of {request} tokens and its answer of up to {max_new_tokens} tokens pass "
-        f"the model context {limit}: give context_tokens at most {limit - max_new_tokens}"
-    )
-
-
-def _prefill_context(
-    model,
-    tokenizer,
-    context_ids: Sequence[int],
-    questions: Sequence[list[int]],
-    spec: CompressionSpec,
-    *,
-    max_new_tokens: int,
-    chat: bool,
-    seed: int,
-):
-  """The state after the chat template's opening and `context_ids` are prefilled and
-  compressed, ready for any of `questions` (ids): the budget is resolved against the
-  request for the longest one, and the cache keeps room for it and the answer."""
-  longest = max(map(len, questions))
-  spec = _at_budget(spec, _request_tokens(tokenizer, context_ids, questions, chat))
-  return prefill(
-      model,
-      [context_prompt(tokenizer, context_ids, chat)],
-      spec,
-      tokenizer=tokenizer,
-      reserve=longest + max_new_tokens,
-      seed=seed,
-  )
-
-
-def context_prompt(tokenizer, context_ids: Sequence[int], chat: bool = True) -> list[Segment]:
-  """The prompt a context is prefilled as, before any question: the chat template's opening
-  (protected: only the context competes for the budget) and the context's ids."""
-  opening, _ = _chat_parts(tokenizer, chat)
-  return [Segment(opening, protected=True), Segment(list(context_ids))]
-
-
-def answer_from_state(
-    model, tokenizer, state, question: str, *, max_new_tokens: int = 32, chat: bool = True
-) -> str:
-  """Greedy answer to `question` about the context a state holds (prefilled as
-  `context_prompt`, e.g. loaded with `kvjax.load_state`); `state` stays valid, so one
-  compressed context answers many questions."""
-  if not isinstance(question, str) or not question.strip():
-    raise ValueError("question must be a non-empty string")
-  question_ids = _question_ids(tokenizer, question, chat)
-  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=False)[0]
-
-
-def _ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):
-  """(greedy answer, peak KV bytes, answer ids) for `question_ids` appended to `state`. The question is
-  protected, so it stays cached while the answer is generated; `donate=False` leaves `state`
-  valid for the next question."""
-  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=donate)
-  state, result = decode(
-      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
-  )
-  tokens = result.tokens[0]
-  return tokenizer.decode(tokens, skip_special_tokens=True), state.peak_kv_bytes(), tokens
-
-
-def _answer(
-    model,
-    tokenizer,
-    context_ids: list[int],
-    question: str,
-    spec: CompressionSpec,
-    *,
-    max_new_tokens: int,
-    chat: bool,
-    seed: int = 0,
-) -> tuple[str, int]:
-  """`answer`, with the peak KV bytes held."""
-  question_ids = _question_ids(tokenizer, question, chat)
-  state = _prefill_context(
-      model,
-      tokenizer,
-      context_ids,
-      [question_ids],
-      spec,
-      max_new_tokens=max_new_tokens,
-      chat=chat,
-      seed=seed,
-  )
-  return _ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True)[:2]
-
-
-def answer(
-    model,
-    tokenizer,
-    context: str | Sequence[int],
-    question: str,
-    spec: CompressionSpec | None = None,
-    *,
-    max_new_tokens: int = 32,
-    chat: bool = True,
-) -> str:
-  """Greedy answer to `question` about `context`.
-
-  The context (after the chat template's opening) is prefilled and compressed to the
-  budget (a fraction is of the whole request's tokens); the question is then appended,
-  protected from eviction, and the answer generated (decode-time eviction applies).
-  """
-  if not isinstance(question, str) or not question.strip():
-    raise ValueError("question must be a non-empty string")
-  context_ids = tokenizer.encode(context) if isinstance(context, str) else list(context)
-  if not context_ids:
-    raise ValueError("context is empty")
-  spec = CompressionSpec() if spec is None else spec
-  return _answer(
-      model, tokenizer, context_ids, question, spec, max_new_tokens=max_new_tokens, chat=chat
-  )[0]
 
 
 # Haystacks of a passkey case: the repeated synthetic filler; real text; real text with a
@@ -262,8 +95,8 @@ def passkey_case(
     needle = tokenizer.encode(_data.DOOR_NEEDLE.format(door=door, key=key))
     rest = [tokenizer.encode(_data.DOOR_NEEDLE.format(door=d, key=k)) for d, k in others]
   intro = tokenizer.encode(_data.PASSKEY_INTRO)
-  question = _question_ids(tokenizer, question, chat)
-  fixed = _request_tokens(tokenizer, intro + needle + sum(rest, []), [question], chat)
+  question = encode_question(tokenizer, question, chat)
+  fixed = request_tokens(tokenizer, intro + needle + sum(rest, []), [question], chat)
   if context_tokens <= fixed:
     raise ValueError(
         f"context_tokens={context_tokens} is too short for a passkey request: the template, "
@@ -376,13 +209,13 @@ def passkey(
   else:
     cases = [{**c, "ids": tokenizer.encode(c["context"])} for c in cases]
   for case in cases:  # bad budgets and lengths fail here, before any case runs
-    question = _question_ids(tokenizer, case["question"], True)
-    request = _request_tokens(tokenizer, case["ids"], [question], True)
+    question = encode_question(tokenizer, case["question"], True)
+    request = request_tokens(tokenizer, case["ids"], [question], True)
     resolve_budget(spec, request)
     check_room(model, request, max_new_tokens)
 
   def run(case):
-    text, peak = _answer(
+    text, peak = answer_and_peak(
         model,
         tokenizer,
         case["ids"],
@@ -438,9 +271,9 @@ def multi_question_case(
   depths = [round(d, 3) for d in np.linspace(0.1, 0.9, n).tolist()] if n > 1 else [0.5]
   inserts = [tokenizer.encode(_data.FACT.format(subject=s, key=k)) for s, k in facts]
   questions = [
-      _question_ids(tokenizer, _data.FACT_QUESTION.format(subject=s), chat) for s, _ in facts
+      encode_question(tokenizer, _data.FACT_QUESTION.format(subject=s), chat) for s, _ in facts
   ]
-  fixed = _request_tokens(tokenizer, [], questions, chat) + sum(map(len, inserts))
+  fixed = request_tokens(tokenizer, [], questions, chat) + sum(map(len, inserts))
   room = context_tokens - fixed
   if room < 1:
     raise ValueError(
@@ -512,13 +345,13 @@ def multi_question(
   )
   for case in cases:  # bad budgets and lengths fail here, before any case runs
     questions = [f["question_ids"] for f in case["facts"]]
-    request = _request_tokens(tokenizer, case["ids"], questions, True)
+    request = request_tokens(tokenizer, case["ids"], questions, True)
     resolve_budget(spec, request)
     check_room(model, request, max_new_tokens)
 
   def run(case):
     questions = [f["question_ids"] for f in case["facts"]]
-    state = _prefill_context(
+    state = prefill_context(
         model,
         tokenizer,
         case["ids"],
@@ -530,7 +363,7 @@ def multi_question(
     )
     # Not donated: every question starts from the same compressed context.
     return [
-        _ask(model, tokenizer, state, q, max_new_tokens=max_new_tokens, donate=False)[:2]
+        ask(model, tokenizer, state, q, max_new_tokens=max_new_tokens, donate=False)[:2]
         for q in questions
     ]
 
@@ -579,7 +412,7 @@ def windowed_fidelity(
   sweep over policies runs the full cache once per window.
   """
   pairs = _data.text_windows(list(ids), context_tokens, continuation_tokens, windows)
-  spec = _at_budget(spec, context_tokens)
+  spec = at_budget(spec, context_tokens)
   reference = full_cache_spec(spec)
   references = {} if references is None else references
 
@@ -661,7 +494,7 @@ def instruction_retention(
   instruction_ids = tokenizer.encode(instruction)
   if len(ids) < context_tokens:
     raise ValueError(f"text has {len(ids)} tokens; context_tokens={context_tokens} need more")
-  spec = _at_budget(spec, context_tokens)
+  spec = at_budget(spec, context_tokens)
 
   def run(depth):
     room = context_tokens - len(instruction_ids)

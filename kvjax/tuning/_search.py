@@ -249,7 +249,7 @@ def evaluate_running(
   continuation for real (`kvjax.eval.continuation_logits`: eviction while reading and
   decoding applies), against the calibrated full-cache predictions."""
   from kvjax.eval._fidelity import continuation_logits
-  from kvjax.eval._tasks import _at_budget
+  from kvjax.eval._answers import at_budget
 
   index = list(range(len(cal.items))) if index is None else list(index)
   kls, agrees, held, kept = [], [], [], []
@@ -260,7 +260,7 @@ def evaluate_running(
         model,
         item.prompt,
         item.continuation,
-        _at_budget(spec, item.budget_length),
+        at_budget(spec, item.budget_length),
         tokenizer=tokenizer,
         stats=stats,
     )
@@ -388,12 +388,12 @@ def held_out_check(
   predictions as the tuning items) or the question answered greedily (accuracy).
   `references` (a dict) keeps the full cache's logits per item for the next call."""
   from kvjax.eval._fidelity import continuation_logits
-  from kvjax.eval._tasks import _ask, _at_budget
+  from kvjax.eval._answers import ask, at_budget
 
   kls, correct, held = [], [], []
   for i in index:
     item = cal.items[i]
-    resolved = _at_budget(spec, item.budget_length) if spec.evicts else spec
+    resolved = at_budget(spec, item.budget_length) if spec.evicts else spec
     if item.question is None:
       ids, cont = list(item.ids), list(item.continuation)
       references = {} if references is None else references
@@ -412,7 +412,7 @@ def held_out_check(
           model, [item.prompt], resolved, tokenizer=tokenizer, reserve=len(question) + 64
       )
       held.append(state.kv_bytes())
-      text, _, _ = _ask(
+      text, _, _ = ask(
           model, tokenizer, state, question, max_new_tokens=max(answer_tokens, 24), donate=True
       )
       correct.append(item.correct(text))

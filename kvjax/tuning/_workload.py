@@ -89,7 +89,7 @@ def question_items(
   """Items for question cases ({"context": str or ids, "question", "answer"?}): the context
   as `kvjax.eval.context_prompt` prefills it (the template's opening protected), then the
   question and the full cache's greedy answer, whose predictions are scored."""
-  from kvjax.eval._tasks import _ask, _question_ids, _request_tokens, context_prompt
+  from kvjax.eval._answers import ask, context_prompt, encode_question, request_tokens
   from kvjax.runtime.session import prefill
 
   items = []
@@ -98,10 +98,10 @@ def question_items(
       raise ValueError(f"case {i}: 'answer' must be a string, got {case['answer']!r}")
     context = case["context"]
     context_ids = tokenizer.encode(context) if isinstance(context, str) else list(context)
-    question_ids = _question_ids(tokenizer, case["question"], True)
+    question_ids = encode_question(tokenizer, case["question"], True)
     prompt = context_prompt(tokenizer, context_ids)
     state = prefill(model, [prompt], tokenizer=tokenizer, reserve=len(question_ids) + 64)
-    text, _, tokens = _ask(
+    text, _, tokens = ask(
         model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True
     )
     if not tokens:
@@ -112,7 +112,7 @@ def question_items(
             marked=tuple(segment.protected for segment in prompt for _ in segment.text),
             continuation=tuple(question_ids) + tuple(tokens),
             scored_from=len(question_ids),
-            budget_length=_request_tokens(tokenizer, context_ids, [question_ids], True),
+            budget_length=request_tokens(tokenizer, context_ids, [question_ids], True),
             question=case["question"],
             answer=case.get("answer"),
             full_answer=text,

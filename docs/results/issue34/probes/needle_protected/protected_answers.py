@@ -14,15 +14,15 @@ for i, c in enumerate(cases):
   ids = c['ids']
   needle = tok.encode(_data.PASSKEY_NEEDLE.format(key=c['answer']))
   pos = [j for j in range(len(ids)-len(needle)+1) if ids[j:j+len(needle)] == needle][0]
-  opening, _ = _tasks._chat_parts(tok, True)
-  q = _tasks._question_ids(tok, c['question'], True)
-  spec = _tasks._at_budget(kvjax.CompressionSpec(policy=policy, budget=budget), _tasks._request_tokens(tok, ids, [q], True))
+  opening, _ = _answers.chat_parts(tok, True)
+  q = _answers.encode_question(tok, c['question'], True)
+  spec = _answers.at_budget(kvjax.CompressionSpec(policy=policy, budget=budget), _answers.request_tokens(tok, ids, [q], True))
   if mode == "needle":
     segs = [Segment(opening, protected=True), Segment(ids[:pos]), Segment(needle, protected=True), Segment(ids[pos+len(needle):])]
   else:
     segs = [Segment(opening, protected=True), Segment(ids)]
   state = prefill(model, [segs], spec, tokenizer=tok, reserve=len(q)+12, seed=0)
-  text = _tasks._ask(model, tok, state, q, max_new_tokens=12, donate=True)[0]
+  text = _answers.ask(model, tok, state, q, max_new_tokens=12, donate=True)[0]
   ok = _tasks._first_number(text) == c['answer']
   hits += ok
   print(i, c['depth'], ok, repr(text[:50]), flush=True)

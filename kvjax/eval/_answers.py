@@ -1,0 +1,190 @@
+"""Answers from a compressed context: the request a context and its questions make, the
+budget resolved against it, the context prefilled and compressed once, and greedy answers to
+questions appended to that state (which stays valid, so one context answers many)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvjax.runtime.prompts import Segment
+from kvjax.runtime.session import decode, extend, prefill
+from kvjax.spec import CompressionSpec
+
+
+def resolve_budget(spec: CompressionSpec | None, length: int) -> int | None:
+  """Tokens kept per sequence for a request of `length` tokens (None: the full cache).
+
+  Raises ValueError for a budget larger than the request or one that cannot hold the
+  protected sink + recent tokens."""
+  spec = CompressionSpec() if spec is None else spec
+  tokens = spec.budget_tokens(length)
+  if tokens is not None and tokens > length:
+    raise ValueError(
+        f"budget={spec.budget} ({tokens} tokens) is larger than the request of {length} "
+        "tokens: nothing would be evicted; use policy 'full' or a smaller budget"
+    )
+  return tokens
+
+
+def at_budget(spec: CompressionSpec, length: int) -> CompressionSpec:
+  """`spec` with its budget in tokens for a request of `length` tokens."""
+  spec = CompressionSpec() if spec is None else spec
+  tokens = resolve_budget(spec, length)
+  return spec if tokens is None else spec.replace(budget=tokens)
+
+
+def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
+  """Runs `fn` on every case; returns (results, errors) with None for a crashed case."""
+  results, errors = [], []
+  for case in cases:
+    try:
+      results.append(fn(case))
+    except Exception as err:  # noqa: BLE001 - a crashed case is reported, not skipped
+      results.append(None)
+      errors.append(f"{type(err).__name__}: {err}")
+    if progress is not None:
+      progress()
+  return results, errors
+
+
+def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
+  """Token ids of the chat template before and after the user's message."""
+  if not chat:
+    return [], []
+  marker = "\x00kvjax\x00"
+  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
+  return tokenizer.encode(before), tokenizer.encode(after)
+
+
+def encode_question(tokenizer, question: str, chat: bool) -> list[int]:
+  return tokenizer.encode("\n\n" + question) + chat_parts(tokenizer, chat)[1]
+
+
+def request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat: bool) -> int:
+  """Tokens of the request for the longest of `questions` (ids) about `context_ids`."""
+  return len(chat_parts(tokenizer, chat)[0]) + len(context_ids) + max(map(len, questions))
+
+
+# Tokens a task answers after its request, by default: the request and they must fit the
+# model's context.
+ANSWER_TOKENS = {"passkey": 12, "multi_question": 24}
+
+
+def check_room(model, request: int, max_new_tokens: int) -> None:
+  """ValueError unless a request of `request` tokens and its answer fit the model's context."""
+  limit = getattr(model.config, "max_context", None)
+  if limit is not None and request + max_new_tokens > limit:
+    raise ValueError(
+        f"a request of {request} tokens and its answer of up to {max_new_tokens} tokens pass "
+        f"the model context {limit}: give context_tokens at most {limit - max_new_tokens}"
+    )
+
+
+def prefill_context(
+    model,
+    tokenizer,
+    context_ids: Sequence[int],
+    questions: Sequence[list[int]],
+    spec: CompressionSpec,
+    *,
+    max_new_tokens: int,
+    chat: bool,
+    seed: int,
+):
+  """The state after the chat template's opening and `context_ids` are prefilled and
+  compressed, ready for any of `questions` (ids): the budget is resolved against the
+  request for the longest one, and the cache keeps room for it and the answer."""
+  longest = max(map(len, questions))
+  spec = at_budget(spec, request_tokens(tokenizer, context_ids, questions, chat))
+  return prefill(
+      model,
+      [context_prompt(tokenizer, context_ids, chat)],
+      spec,
+      tokenizer=tokenizer,
+      reserve=longest + max_new_tokens,
+      seed=seed,
+  )
+
+
+def context_prompt(tokenizer, context_ids: Sequence[int], chat: bool = True) -> list[Segment]:
+  """The prompt a context is prefilled as, before any question: the chat template's opening
+  (protected: only the context competes for the budget) and the context's ids."""
+  opening, _ = chat_parts(tokenizer, chat)
+  return [Segment(opening, protected=True), Segment(list(context_ids))]
+
+
+def answer_from_state(
+    model, tokenizer, state, question: str, *, max_new_tokens: int = 32, chat: bool = True
+) -> str:
+  """Greedy answer to `question` about the context a state holds (prefilled as
+  `context_prompt`, e.g. loaded with `kvjax.load_state`); `state` stays valid, so one
+  compressed context answers many questions."""
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError("question must be a non-empty string")
+  question_ids = encode_question(tokenizer, question, chat)
+  return ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=False)[0]
+
+
+def ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):
+  """(greedy answer, peak KV bytes, answer ids) for `question_ids` appended to `state`. The question is
+  protected, so it stays cached while the answer is generated; `donate=False` leaves `state`
+  valid for the next question."""
+  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=donate)
+  state, result = decode(
+      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
+  )
+  tokens = result.tokens[0]
+  return tokenizer.decode(tokens, skip_special_tokens=True), state.peak_kv_bytes(), tokens
+
+
+def answer_and_peak(
+    model,
+    tokenizer,
+    context_ids: list[int],
+    question: str,
+    spec: CompressionSpec,
+    *,
+    max_new_tokens: int,
+    chat: bool,
+    seed: int = 0,
+) -> tuple[str, int]:
+  """`answer`, with the peak KV bytes held."""
+  question_ids = encode_question(tokenizer, question, chat)
+  state = prefill_context(
+      model,
+      tokenizer,
+      context_ids,
+      [question_ids],
+      spec,
+      max_new_tokens=max_new_tokens,
+      chat=chat,
+      seed=seed,
+  )
+  return ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=True)[:2]
+
+
+def answer(
+    model,
+    tokenizer,
+    context: str | Sequence[int],
+    question: str,
+    spec: CompressionSpec | None = None,
+    *,
+    max_new_tokens: int = 32,
+    chat: bool = True,
+) -> str:
+  """Greedy answer to `question` about `context`.
+
+  The context (after the chat template's opening) is prefilled and compressed to the
+  budget (a fraction is of the whole request's tokens); the question is then appended,
+  protected from eviction, and the answer generated (decode-time eviction applies).
+  """
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError("question must be a non-empty string")
+  context_ids = tokenizer.encode(context) if isinstance(context, str) else list(context)
+  if not context_ids:
+    raise ValueError("context is empty")
+  spec = CompressionSpec() if spec is None else spec
+  return answer_and_peak(
+      model, tokenizer, context_ids, question, spec, max_new_tokens=max_new_tokens, chat=chat
+  )[0]
