@@ -20,6 +20,7 @@ import pytest
 
 import kvjax
 from kvjax import persistence
+from kvjax.persistence import _directory, _format, _load, _save
 from kvjax.eviction.allocation import HeadAllocation
 from kvjax.fingerprint import model_fingerprint
 from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
@@ -81,7 +82,7 @@ def test_a_loaded_state_equals_the_saved_one_and_holds_only_its_live_pages(model
     live = int(np.asarray(state.cache.pages_in_use()).sum())
     assert info["cache"]["live_pages"] == live < state.cache.num_pages - 1
     # Only the live pages are written: the K/V arrays on disk hold `live` pages.
-    arrays = persistence._read_arrays(persistence.current_version(path), info)
+    arrays = _load.read_arrays(persistence.current_version(path), info)
     saved_k = [x for key, x in arrays.items() if key.split(".")[0] == "k_pages"]
     assert [x.shape for x in saved_k] == [
         (live, *x.shape[1:]) for x in jax.tree.leaves(state.cache.k_pages)
@@ -170,7 +171,7 @@ def test_a_state_is_refused_by_another_model_dtype_tokenizer_or_format(
     kvjax.load_state(path, model, tokenizer=OtherTokenizer())
   _one_line_error(err, "another tokenizer")
   kvjax.load_state(path, model, tokenizer=ByteTokenizer())  # the right one loads
-  monkeypatch.setattr(persistence, "FORMAT", "kvjax-state/0")
+  monkeypatch.setattr(_format, "FORMAT", "kvjax-state/0")
   old = kvjax.save_state(tmp_path / "old", state, model)
   monkeypatch.undo()
   with pytest.raises(kvjax.StateFileError) as err:
@@ -195,7 +196,7 @@ def test_damaged_checkpoints_are_refused_never_loaded(model, states, tmp_path):
   largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
   damages.append(path)
   path = kvjax.save_state(tmp_path / "pointer", state, model)
-  (path / persistence.CURRENT).write_text("../elsewhere")
+  (path / _directory.CURRENT).write_text("../elsewhere")
   damages.append(path)
   (tmp_path / "empty").mkdir()
   damages.append(tmp_path / "empty")
@@ -244,8 +245,8 @@ def test_a_save_that_fails_part_way_leaves_the_old_state_or_the_new(
   target = {
       # orbax's last step, renaming its complete temporary directory: inside orbax's save
       "orbax": (async_path, "rename", crash_in_orbax),
-      "pointer": (persistence._files, "write_text", crash),  # complete, CURRENT not switched
-      "cleanup": (persistence, "_remove_stale", crash),  # switched, the old version still there
+      "pointer": (_save.files, "write_text", crash),  # complete, CURRENT not switched
+      "cleanup": (_save, "remove_stale", crash),  # switched, the old version still there
   }[crash_at]
   monkeypatch.setattr(*target)
   with pytest.raises(KeyboardInterrupt):
@@ -402,7 +403,7 @@ def _listing(path) -> list[str]:
 def _whole(state) -> str:
   """A digest of everything a state holds (its live pages in table order and its small
   arrays): equal for a state and the same state saved and loaded."""
-  return arrays_digest(persistence._live_arrays(state))
+  return arrays_digest(_format.live_arrays(state))
 
 
 def test_a_state_keeps_its_head_allocation_made_in_memory_or_saved_and_removed(
@@ -442,7 +443,7 @@ def test_a_reader_whose_version_two_saves_removed_follows_current(
   save keeps the version it reads (it returns that state); two remove it (it reads the
   newest instead); saves during every attempt make it give up, saying so, after a few."""
   path = kvjax.save_state(tmp_path / "s", states["full"], model)
-  read_arrays, saves, attempts = persistence._read_arrays, [], []
+  read_arrays, saves, attempts = _load.read_arrays, [], []
 
   def slow_read(version, meta):
     attempts.append(version.name)
@@ -450,17 +451,17 @@ def test_a_reader_whose_version_two_saves_removed_follows_current(
       kvjax.save_state(path, states[name], model, overwrite=True)
     return read_arrays(version, meta)
 
-  monkeypatch.setattr(persistence, "_read_arrays", slow_read)
+  monkeypatch.setattr(_load, "read_arrays", slow_read)
   saves[:] = [["h2o"]]
   loaded = kvjax.load_state(path, model)  # v1, kept by the save of v2
   assert attempts == ["v1"] and _whole(loaded) == _whole(states["full"])
   saves[:] = [["full", "kvzip"]]  # v3 and v4 remove v2 while it is read
   loaded = kvjax.load_state(path, model)
   assert attempts[1:] == ["v2", "v4"] and _whole(loaded) == _whole(states["kvzip"])
-  saves[:] = [["h2o", "full"]] * persistence._READ_ATTEMPTS
+  saves[:] = [["h2o", "full"]] * _directory.READ_ATTEMPTS
   with pytest.raises(kvjax.StateFileError) as err:
     kvjax.load_state(path, model)
-  _one_line_error(err, f"saved again {persistence._READ_ATTEMPTS} times")
+  _one_line_error(err, f"saved again {_directory.READ_ATTEMPTS} times")
   assert _whole(kvjax.load_state(path, model)) == _whole(states["full"])
 
 
@@ -556,7 +557,7 @@ def test_a_first_save_killed_anywhere_leaves_a_directory_the_next_save_uses(
 _CONCURRENT = """
 import collections, json, sys, time
 import kvjax
-from kvjax import persistence
+from kvjax.persistence import _format, _load
 from kvjax.testing import tiny_llama
 from kvjax_store.files import arrays_digest
 model = tiny_llama(**json.loads(sys.argv[1]))
@@ -564,11 +565,11 @@ role, target, seconds = sys.argv[2], sys.argv[3], float(sys.argv[4])
 given = json.loads(sys.stdin.readline())  # sent once this process has imported all
 if role == "reader":
   expected = given  # digest of each saved state -> its name
-  read_meta, attempts = persistence._read_meta, [0]
+  read_meta, attempts = _load.read_meta, [0]
   def counting(version):
     attempts[0] += 1
     return read_meta(version)
-  persistence._read_meta = counting
+  _load.read_meta = counting
 else:
   states = [kvjax.load_state(source, model) for source in given]
 done, errors, seen = 0, [], collections.Counter()
@@ -579,7 +580,7 @@ while time.monotonic() < end:
   try:
     if role == "reader":
       state = kvjax.load_state(target, model)
-      digest = arrays_digest(persistence._live_arrays(state))
+      digest = arrays_digest(_format.live_arrays(state))
       if digest not in expected:
         raise AssertionError("a state that no writer saved")
       seen[expected[digest]] += 1
