@@ -24,11 +24,8 @@ from kvjax.eviction.budgets import BUDGET_SCHEDULES, HEAD_BUDGETS, EvictionPlan,
 
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
-AUTO_RECENT = 64
-COMPRESS_MODES = (
-    "running",
-    "once",
-)  # the recent window of budget="auto" when `recent` is not given
+AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given
+COMPRESS_MODES = ("running", "once")
 
 
 def _field(default, help: str, **cli):

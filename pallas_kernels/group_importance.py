@@ -27,7 +27,7 @@ from jaxtyping import Array, Bool, Float
 
 from pallas_kernels._common import check_dtype_kind, check_float_dtypes, resolve_impl
 
-REDUCTIONS = ("mean", "sum", "max")  # = kvjax.cache.config.GROUP_REDUCTIONS
+REDUCTIONS = ("mean", "sum", "max")  # how scores combine in a group (kvjax: group_reduce)
 _GROUPS_PER_BLOCK = 512  # (512, gs) f32 block: 256 KiB of VMEM once lanes are padded
 _TOKENS_PER_BLOCK = 2048  # group_size == 1: lane-dense (1, 2048) blocks
 

@@ -23,7 +23,7 @@ import pallas_kernels.group_importance as gi
 from pallas_kernels.group_importance import group_importance, group_importance_reference
 
 GROUP_SIZES = (1, *PAGE_SIZES)  # token eviction, and block eviction at each page size
-REDUCTIONS = ("mean", "sum", "max")
+REDUCTIONS = gi.REDUCTIONS  # the one list kvjax validates group_reduce against
 
 
 def scores_problem(seed, group_size, length_kind, dtype="float32", layers=2, heads=2):

@@ -807,22 +807,7 @@ def test_only_policies_that_read_the_probabilities_get_them():
   assert Lean.reads == Child.reads == frozenset()
 
 
-def test_a_policy_written_with_the_old_flags_still_works():
-  """Class flags of earlier kvjax (needs_probs, needs_lse, query_agnostic, token_level) are
-  read as `reads`, `mode` and `granularity`, with a DeprecationWarning."""
-  with pytest.warns(DeprecationWarning, match="needs_lse, query_agnostic"):
-
-    class Old(policies.Policy):
-      needs_lse = True
-      query_agnostic = True
-
-      def observe(self, cache, stats):
-        return cache
-
-  assert (Old.reads, Old.mode, Old.granularity) == ({"probs", "lse"}, "once", "token")
-  with pytest.warns(DeprecationWarning):
-    Page = type("Page", (policies.AttentionHistory,), {"token_level": False, "needs_probs": False})
-  assert (Page.reads, Page.mode, Page.granularity) == (frozenset(), "running", "page")
+def test_a_policy_declaration_outside_the_known_values_is_refused():
   with pytest.raises(TypeError, match="reads must be a subset"):
     type("Bad", (policies.Policy,), {"reads": frozenset({"hidden"})})
 

@@ -6,9 +6,8 @@ import dataclasses
 
 from kvjax.cache.pages import pages_for
 from kvjax.cache.sizing import margin, min_budget
+from pallas_kernels.group_importance import REDUCTIONS as GROUP_REDUCTIONS
 from pallas_kernels.page_format import KV_DTYPES
-
-GROUP_REDUCTIONS = ("mean", "sum", "max")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,12 +71,12 @@ def environment() -> dict:
   import flax
   import jaxlib
 
-  import kvjax
+  from kvjax._version import __version__
 
   devices = jax.devices()
   return {
       "versions": {
-          "kvjax": kvjax.__version__,
+          "kvjax": __version__,
           "jax": jax.__version__,
           "jaxlib": jaxlib.__version__,
           "flax": flax.__version__,

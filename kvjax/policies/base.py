@@ -27,7 +27,6 @@ and overrides any of these hooks, all pure functions of the cache:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -40,9 +39,6 @@ from kvjax.cache.pages import token_slots
 READS = frozenset({"probs", "head_probs", "lse", "logits", "head_output"})
 MODES = ("running", "once")
 GRANULARITIES = ("token", "page")
-# Class variables of earlier kvjax versions, still accepted on a subclass: `needs_probs`
-# meant `reads` holds "probs", and so on.
-_LEGACY_READS = {f"needs_{name}": name for name in ("probs", "head_probs", "lse", "logits")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,27 +115,7 @@ class Policy:
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
-    own = cls.__dict__
-    legacy = [k for k in (*_LEGACY_READS, "query_agnostic", "token_level") if k in own]
-    if legacy:  # a subclass written for an earlier kvjax: its flags, said the new way
-      warnings.warn(
-          f"policy {cls.__name__}: {', '.join(legacy)} are read as `reads`, `mode` and "
-          "`granularity` (see kvjax.policies.base)",
-          DeprecationWarning,
-          stacklevel=2,
-      )
-      reads = set(cls.reads if "reads" in own else _inherited_reads(cls))
-      for flag, what in _LEGACY_READS.items():
-        if flag in own:
-          (reads.add if own[flag] else reads.discard)(what)
-      cls.reads = frozenset(reads)
-      if "query_agnostic" in own:
-        cls.mode = "once" if own["query_agnostic"] else "running"
-      if "token_level" in own:
-        cls.granularity = "token" if own["token_level"] else "page"
-      for flag in legacy:
-        delattr(cls, flag)
-    elif "reads" not in own:
+    if "reads" not in cls.__dict__:
       cls.reads = _inherited_reads(cls)
     if not cls.reads <= READS or cls.mode not in MODES or cls.granularity not in GRANULARITIES:
       raise TypeError(
