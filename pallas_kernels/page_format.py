@@ -1,5 +1,5 @@
 """How K/V values sit in a page pool: floats, or 8- and 4-bit codes with a scale and a zero
-point per group of channels of each token (issue 33's quantized pages).
+point per group of channels of each token (quantized pages, `docs/quantized_pages.md`).
 
 A pool is either a float array [P, S, D] or a `QuantizedPages`:
 
@@ -18,7 +18,7 @@ min/max:
 
 Why per token and not per channel over a page's tokens (KIVI's keys): token eviction takes
 single tokens out of pages, and a per-channel group would have to be re-quantized at every
-eviction event; `docs/results/issue33` measured the groupings (int8 per token: KL 0.0004 on
+eviction event; `docs/results/quantized_pages` measured the groupings (int8 per token: KL 0.0004 on
 the full cache; int4 in groups of 16 channels: 0.031, against 0.10 for one group per token).
 Unpacking repeats each byte and shifts every other lane by 4: one elementwise pass that
 XLA, Mosaic and Triton all lower (Triton lowers no concatenation).
