@@ -13,6 +13,10 @@ from flax import nnx
 
 from kvjax.cache.paged_cache import to_host
 
+__all__ = [
+    "model_fingerprint",
+]
+
 # model -> (weak references to the parameter arrays it was computed from, its fingerprint).
 _KNOWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

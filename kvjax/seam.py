@@ -2,26 +2,26 @@
 
 A model is compressible when it has
 
-  model.config   with int attributes n_layers, n_kv_heads, head_dim, vocab_size, max_context
-  model.run(tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None)
-      tokens, positions  [B, T] int32 (positions: the RoPE position of each token)
-      attend(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], kv_state, layer)
-          -> (out [B, T, Hq, D], kv_state)          called once per layer, in layer order;
-                                                    q and k already position-encoded
-      after_layer(kv_state, layer, h_in [B, T, d], h_out [B, T, d]) -> kv_state   (optional)
-      returns (logits [B, T, V] float32, or [B, V] at token index logits_at[b], kv_state)
+    model.config   with int attributes n_layers, n_kv_heads, head_dim, vocab_size, max_context
+    model.run(tokens, positions, kv_state, attend, *, after_layer=None, logits_at=None)
+        tokens, positions  [B, T] int32 (positions: the RoPE position of each token)
+        attend(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], kv_state, layer)
+            -> (out [B, T, Hq, D], kv_state)          called once per layer, in layer order;
+                                                      q and k already position-encoded
+        after_layer(kv_state, layer, h_in [B, T, d], h_out [B, T, d]) -> kv_state   (optional)
+        returns (logits [B, T, V] float32, or [B, V] at token index logits_at[b], kv_state)
 
 and, optionally (policies that reason about queries at other positions need it, e.g.
 expected_attention),
 
-  model.rotate(x [B, T, H, D], positions [B, T]) -> x position-encoded at `positions`
-      the same linear map `run` applies to q and k (RoPE); rotate(x, -p) undoes rotate(x, p)
+    model.rotate(x [B, T, H, D], positions [B, T]) -> x position-encoded at `positions`
+        the same linear map `run` applies to q and k (RoPE); rotate(x, -p) undoes rotate(x, p)
 
 and (policies that weigh a value by what it adds to the residual stream: kvzip_plus)
 
-  model.head_output_gram(layer) -> G [Hq, D, D]      (layer may be traced)
-      W_O^h (W_O^h)^T for each query head h, where W_O^h [D, d] is the rows of the layer's
-      output projection that head h's attention output meets: ||W_O^h v|| = sqrt(v.G_h v)
+    model.head_output_gram(layer) -> G [Hq, D, D]      (layer may be traced)
+        W_O^h (W_O^h)^T for each query head h, where W_O^h [D, d] is the rows of the layer's
+        output projection that head h's attention output meets: ||W_O^h v|| = sqrt(v.G_h v)
 
 The model knows nothing of pages or policies: kvjax's `attend` appends K/V to the paged cache,
 runs paged attention and feeds the policy; `after_layer` lets a policy read hidden states.
@@ -44,6 +44,13 @@ from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import AttentionStats, Policy
 from kvjax.sharding import DATA, MODEL, on_shards
 from pallas_kernels.paged_attention import paged_attention
+
+__all__ = [
+    "ModelShape",
+    "forward",
+    "model_record",
+    "query_heads",
+]
 
 _SHAPE_FIELDS = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_context")
 

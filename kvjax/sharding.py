@@ -2,19 +2,19 @@
 
 A mesh has two axes, `data` and `model` (either may have size 1):
 
-  batch rows         over `data`
-  kv heads           over `model`, with their query heads and the weights that make them
-  the cache          G = data x model shards; shard g = (i, j) owns the sequences (layer, row,
-                     kv head) of row block i and head block j, and a page pool of its own:
+    batch rows         over `data`
+    kv heads           over `model`, with their query heads and the weights that make them
+    the cache          G = data x model shards; shard g = (i, j) owns the sequences (layer, row,
+                       kv head) of row block i and head block j, and a page pool of its own:
 
-    k_pages, v_pages  [G, P, S, D]    sharded over (data, model) on the first axis
-    slots             {name: [G, P, S]}
-    pages.table       [L, B, H, M]    sharded over rows and heads; page ids are local to the
-                                      shard that holds the entry: no page is referenced across
-                                      devices
-    pages.length      [L, B, H]       sharded over rows and heads
-    pages.free_pages  [G, P]          each shard's free stack
-    pages.num_free, pages.status  [G]
+      k_pages, v_pages  [G, P, S, D]    sharded over (data, model) on the first axis
+      slots             {name: [G, P, S]}
+      pages.table       [L, B, H, M]    sharded over rows and heads; page ids are local to the
+                                        shard that holds the entry: no page is referenced across
+                                        devices
+      pages.length      [L, B, H]       sharded over rows and heads
+      pages.free_pages  [G, P]          each shard's free stack
+      pages.num_free, pages.status  [G]
 
 Every operation that reads or writes the cache (append, attention, the policy's observation,
 eviction) runs per shard in `shard_map` on that shard's own cache (`on_shards`): the same code
@@ -41,6 +41,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.cache.paged_cache import PagedKVCache, init_cache
+
+__all__ = [
+    "SHARDS",
+    "all_heads",
+    "any_shard",
+    "inside",
+    "make_mesh",
+    "model_mesh",
+    "my_heads",
+    "num_shards",
+    "on_shards",
+    "shard_bytes",
+    "shard_config",
+    "shard_key",
+    "shard_model",
+]
 
 DATA, MODEL = "data", "model"
 SHARDS = (DATA, MODEL)  # the pool's first axis: one block per device, data-major
@@ -98,6 +114,7 @@ def make_mesh(mesh) -> Mesh | None:
 
 
 def num_shards(mesh: Mesh | None) -> int:
+  """Devices of the mesh (data x model); 1 for None (one device)."""
   return 1 if mesh is None else mesh.shape[DATA] * mesh.shape[MODEL]
 
 

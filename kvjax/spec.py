@@ -22,6 +22,15 @@ from pallas_kernels.page_format import KV_DTYPES
 from kvjax.policies import Full, Policy, get_policy
 from kvjax.eviction.budgets import BUDGET_SCHEDULES, HEAD_BUDGETS, EvictionPlan, layer_budgets
 
+__all__ = [
+    "ATTENTION_IMPLS",
+    "AUTO",
+    "AUTO_RECENT",
+    "COMPRESS_MODES",
+    "CachePlan",
+    "CompressionSpec",
+]
+
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
 AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given

@@ -10,6 +10,15 @@ import numpy as np
 from kvjax.cache.paged_cache import PagedKVCache, to_host
 from kvjax.cache.pages import NULL_PAGE, pages_for
 
+__all__ = [
+    "ByteTokenizer",
+    "assert_cache_invariants",
+    "assert_compressed_once",
+    "counting_traces",
+    "tiny_hf_checkpoint",
+    "tiny_llama",
+]
+
 
 def assert_cache_invariants(cache: PagedKVCache) -> None:
   """Raises AssertionError unless the allocator and page tables are consistent.

@@ -29,6 +29,17 @@ import stat
 import warnings
 from pathlib import Path
 
+__all__ = [
+    "cache_root",
+    "describe",
+    "key_file",
+    "private_dir",
+    "signing_key",
+    "tag",
+    "unsafe_reason",
+    "verify",
+]
+
 _WARNED: set[str] = set()  # each warning is given once per process
 _KEY_BYTES = 32
 _KEYS: dict[str, bytes] = {}  # key file -> its key, read once per process
@@ -119,6 +130,8 @@ def _warn_once(message: str) -> None:
 
 
 def key_file() -> Path:
+  """Where this user's secret key lives: $KVJAX_CACHE_KEY_FILE, else kvjax/cache.key under
+  $XDG_CONFIG_HOME or ~/.config."""
   chosen = os.environ.get("KVJAX_CACHE_KEY_FILE", "")
   if chosen:
     return Path(chosen).expanduser()

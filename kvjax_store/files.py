@@ -18,6 +18,14 @@ import time
 
 import numpy as np
 
+__all__ = [
+    "arrays_digest",
+    "read_params",
+    "write_bytes",
+    "write_params",
+    "write_text",
+]
+
 # A read of a directory that `write_params` replaces meanwhile is repeated this many times.
 _READ_ATTEMPTS = 5
 

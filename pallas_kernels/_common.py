@@ -62,6 +62,7 @@ def resolve_impl(impl: str, interpret=None, *, gpu_kernel: bool = False) -> tupl
 
 
 def is_traced(x) -> bool:
+  """Whether `x` is a tracer (inside jit): its values cannot be checked on the host."""
   return isinstance(x, jax.core.Tracer)
 
 
@@ -170,6 +171,8 @@ def effective_lengths(lengths, num_queries, num_slots):
 
 
 def default_pages_per_block(page_size: int, max_pages: int) -> int:
+  """Pages per kernel block: about `TARGET_BLOCK_TOKENS` tokens, at least one page and at
+  most the page table's width."""
   return max(1, min(max_pages, TARGET_BLOCK_TOKENS // page_size))
 
 

@@ -27,6 +27,14 @@ from jaxtyping import Array, Bool, Float
 
 from pallas_kernels._common import check_dtype_kind, check_float_dtypes, resolve_impl
 
+__all__ = [
+    "REDUCTIONS",
+    "group_importance",
+    "group_importance_pallas",
+    "group_importance_reference",
+    "validate_group_importance_args",
+]
+
 REDUCTIONS = ("mean", "sum", "max")  # how scores combine in a group (kvjax: group_reduce)
 _GROUPS_PER_BLOCK = 512  # (512, gs) f32 block: 256 KiB of VMEM once lanes are padded
 _TOKENS_PER_BLOCK = 2048  # group_size == 1: lane-dense (1, 2048) blocks

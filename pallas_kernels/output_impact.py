@@ -54,6 +54,14 @@ from pallas_kernels._common import (
     validate_paged_args,
 )
 
+__all__ = [
+    "DEFAULT_EPS",
+    "output_impact",
+    "output_impact_pallas",
+    "output_impact_reference",
+    "validate_output_impact_args",
+]
+
 DEFAULT_EPS = 1e-6  # same clamp of 1 - a as kvjax.policies.scores.output_impact
 
 

@@ -3,10 +3,10 @@ point per group of channels of each token (quantized pages, `docs/quantized_page
 
 A pool is either a float array [P, S, D] or a `QuantizedPages`:
 
-  codes  [P, S, W] uint8     W = D (int8), or D / 2 (int4: byte j holds channel 2j in its
-                             low nibble and channel 2j + 1 in its high nibble)
-  scale  [P, S, G] float16   G = D / group: one per group of `group` channels of a token
-  zero   [P, S, G] float16
+    codes  [P, S, W] uint8     W = D (int8), or D / 2 (int4: byte j holds channel 2j in its
+                               low nibble and channel 2j + 1 in its high nibble)
+    scale  [P, S, G] float16   G = D / group: one per group of `group` channels of a token
+    zero   [P, S, G] float16
 
 Every array shares the pool's leading [P, S] axes, so whatever moves, frees, truncates,
 compacts, saves or shards a token's slot (`jax.tree.map` over the pool) carries its codes
@@ -37,6 +37,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, UInt8
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "INT4_GROUP",
+    "KV_DTYPES",
+    "Pool",
+    "QUANTIZED_DTYPES",
+    "Quantized",
+    "QuantizedPages",
+    "SCALE_DTYPE",
+    "bits_of",
+    "check_kv_dtype",
+    "decode",
+    "dequantize",
+    "dequantize_tokens",
+    "empty_pool",
+    "encode",
+    "from_parts",
+    "group_of",
+    "kv_dtype_of",
+    "nbytes",
+    "pack",
+    "part_names",
+    "parts",
+    "quantize",
+    "quantize_tokens",
+    "read",
+    "take",
+    "token_bytes",
+    "unpack",
+    "write",
+]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZED_DTYPES = ("int8", "int4")
@@ -147,6 +179,7 @@ def part_names(kv_dtype: str) -> tuple[str, ...]:
 
 
 def check_kv_dtype(name: str, kv_dtype) -> None:
+  """ValueError naming `name` unless `kv_dtype` is one of `KV_DTYPES`."""
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"{name} must be one of {KV_DTYPES}, got {kv_dtype!r}")
 

@@ -58,6 +58,7 @@ __all__ = [
     "last_live_block",
     "paged_attention",
     "paged_attention_live_blocks",
+    "paged_attention_live_prefix",
     "paged_attention_lse_reference",
     "paged_attention_pallas",
     "paged_attention_pallas_gpu",

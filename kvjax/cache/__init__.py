@@ -1,12 +1,12 @@
 """The paged KV cache: K/V in pages of a shared pool, one page table per (layer, row, kv
 head), and an allocator that runs inside `jit`.
 
-  pages        `PageTable`: the page table and free stack, and every allocator operation
-               (allocate, free, compact), as fixed-shape array programs; the page arithmetic
-  sizing       how many tokens and pages a budget, a margin or a request needs
-  config       `CacheConfig`: sizes, budget and protection, validated once
-  paged_cache  `PagedKVCache` (pages + table + per-slot state), `init_cache`, `append`, and
-               the views of it (`logical_view`, `valid_mask`, `read_sequence`)
+    pages        `PageTable`: the page table and free stack, and every allocator operation
+                 (allocate, free, compact), as fixed-shape array programs; the page arithmetic
+    sizing       how many tokens and pages a budget, a margin or a request needs
+    config       `CacheConfig`: sizes, budget and protection, validated once
+    paged_cache  `PagedKVCache` (pages + table + per-slot state), `init_cache`, `append`, and
+                 the views of it (`logical_view`, `valid_mask`, `read_sequence`)
 
 What a cache keeps is decided by `kvjax.eviction`, scored by `kvjax.policies`.
 """

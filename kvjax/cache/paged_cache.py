@@ -97,6 +97,11 @@ class NumericsError(RuntimeError):
 
 @struct.dataclass
 class PagedKVCache:
+  """A paged KV cache (a pytree): the K and V page pools, the per-slot arrays policies keep
+  (`slots`), the page table and free stack (`pages`), and its static `CacheConfig`. Made by
+  `init_cache`; written by `append`/`append_layer`; read through `logical_view`,
+  `valid_mask` and `read_sequence`."""
+
   k_pages: Pool  # [P, S, D] float, or QuantizedPages
   v_pages: Pool
   slots: dict[str, Array]  # name -> [P, S], one entry per `slot_specs`

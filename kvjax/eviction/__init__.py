@@ -1,14 +1,14 @@
 """Eviction: what leaves a cache, in fixed shapes, inside `jit`. Policies score tokens
 (`kvjax.policies`); this package decides what goes.
 
-  fixed_shape  `evict`: the lowest-importance groups outside the protected tokens (sink,
-               recent, marked spans), as page-table edits (whole pages) or one compaction
-               (single tokens); `protection_mask`, `truncate`
-  budgets      how many tokens each sequence keeps: per-layer schedules, a budget shared
-               across heads (AdaKV per layer, KVzip's global ranking, a score threshold),
-               fair eviction over marked segments, and the `EvictionPlan` compiled steps carry
-  allocation   `HeadAllocation`: learned per-(layer, kv head) offsets applied before a
-               global ranking (made by `kvjax tune`)
+    fixed_shape  `evict`: the lowest-importance groups outside the protected tokens (sink,
+                 recent, marked spans), as page-table edits (whole pages) or one compaction
+                 (single tokens); `protection_mask`, `truncate`
+    budgets      how many tokens each sequence keeps: per-layer schedules, a budget shared
+                 across heads (AdaKV per layer, KVzip's global ranking, a score threshold),
+                 fair eviction over marked segments, and the `EvictionPlan` compiled steps carry
+    allocation   `HeadAllocation`: learned per-(layer, kv head) offsets applied before a
+                 global ranking (made by `kvjax tune`)
 """
 
 from kvjax.eviction.allocation import HeadAllocation

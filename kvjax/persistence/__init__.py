@@ -9,16 +9,16 @@ process or on another day.
 
 A state directory keeps complete versions and names the current one:
 
-  DIR/CURRENT     the current version's name, replaced atomically (write + rename)
-  DIR/.lock       what a save locks (`fcntl.flock`) from its checks to its clean-up, so
-                  saves into one directory run one after another
-  DIR/v<N>/       an orbax-checkpoint composite checkpoint (orbax writes it to a temporary
-                  directory and renames it when complete):
-    arrays/       StandardSave: the live pages only (k, v and the per-slot arrays, in page
-                  table order), the page table, lengths, logits, positions, sampling key
-    meta/         JsonSave: format, kvjax version, model and tokenizer fingerprints, the
-                  CompressionSpec (a head allocation by value) and cache plan, the prefilled
-                  token ids, and a SHA-256 digest of all of it and of every array
+    DIR/CURRENT     the current version's name, replaced atomically (write + rename)
+    DIR/.lock       what a save locks (`fcntl.flock`) from its checks to its clean-up, so
+                    saves into one directory run one after another
+    DIR/v<N>/       an orbax-checkpoint composite checkpoint (orbax writes it to a temporary
+                    directory and renames it when complete):
+      arrays/       StandardSave: the live pages only (k, v and the per-slot arrays, in page
+                    table order), the page table, lengths, logits, positions, sampling key
+      meta/         JsonSave: format, kvjax version, model and tokenizer fingerprints, the
+                    CompressionSpec (a head allocation by value) and cache plan, the prefilled
+                    token ids, and a SHA-256 digest of all of it and of every array
 
 A save keeps the version CURRENT named before it (a reader may be reading it) and removes
 older ones; a reader whose version was removed under it (two saves during one read) reads

@@ -2,13 +2,13 @@
 it, and the session API over them (`kvjax.prefill`, `decode`, `extend`, `fork`, `generate`
 are its public face, exported by `kvjax`).
 
-  prompts      prompts as kvjax takes them (text, ids, `Segment`s) and their encoding
-  sampling     `Sampling`: greedy, temperature, top-k/top-p, as traced values
-  state        `State` (a pytree: cache, logits, positions, key) and `DecodeResult`
-  compilation  compiled steps: kept in the process, stored on disk, compiled ahead
-  steps        the compiled prefill chunk and decode loop, and the host loops around them
-  pool         a state's page pool, grown or compacted on the host between steps
-  session      `prefill`, `extend`, `decode`, `fork`
-  generation   `generate`: prefill + decode in one call, streaming
-  warmup       `warmup`: fills the compiled-step store for the shapes a deployment sees
+    prompts      prompts as kvjax takes them (text, ids, `Segment`s) and their encoding
+    sampling     `Sampling`: greedy, temperature, top-k/top-p, as traced values
+    state        `State` (a pytree: cache, logits, positions, key) and `DecodeResult`
+    compilation  compiled steps: kept in the process, stored on disk, compiled ahead
+    steps        the compiled prefill chunk and decode loop, and the host loops around them
+    pool         a state's page pool, grown or compacted on the host between steps
+    session      `prefill`, `extend`, `decode`, `fork`
+    generation   `generate`: prefill + decode in one call, streaming
+    warmup       `warmup`: fills the compiled-step store for the shapes a deployment sees
 """

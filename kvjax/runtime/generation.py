@@ -72,6 +72,10 @@ class TextStream:
 
 @dataclasses.dataclass
 class GenerationResult:
+  """What `generate` returns (and a streaming `Generation` holds once done): per row the
+  generated text, its token ids and why it finished, and the run's `stats` (tokens read and
+  kept, KV bytes such as `peak_kv_bytes`, seconds, compiles, the spec)."""
+
   texts: list[str]
   tokens: list[list[int]]  # generated ids per row, stop token excluded
   finish_reasons: list[str]  # "stop" (an EOS id) or "length" (max_new_tokens)

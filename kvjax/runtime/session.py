@@ -57,7 +57,9 @@ def prefill(
       tokens are protected.
     reserve: with the full cache, room for this many more tokens per row before the cache
       grows (each growth re-lays the cache out and compiles new shapes once).
-    seed, key: randomness for sampling and random eviction.
+    seed: randomness for sampling and random eviction (`jax.random.key(seed)`), when no
+      `key` is given.
+    key: a jax random key, used instead of `seed`.
     progress: called as `progress(tokens_read, tokens_total)` (of the longest prompt) after
       each prefill chunk, e.g. to draw a progress bar.
     mesh: shard the cache and the model over devices (`kvjax.sharding`): a jax `Mesh` with

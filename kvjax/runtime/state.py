@@ -45,6 +45,9 @@ class State:
 
 @dataclasses.dataclass
 class DecodeResult:
+  """What `decode` returns beside the new state: per row the generated token ids and why it
+  finished, the logits when asked for (`return_logits=True`), and timing `stats`."""
+
   tokens: list[list[int]]  # generated ids per row, stop token excluded
   finish_reasons: list[
       str

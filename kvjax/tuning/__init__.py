@@ -83,7 +83,10 @@ def tune(
     cases: question cases, {"context": text or ids, "question", "answer" (optional)}.
     target: `Target` or 'kl=X' | 'accuracy=X' | 'memory=SIZE'.
     policies: candidates (compress-once ones are scored exactly; the others run for real).
-    context_tokens, continuation_tokens, max_items: text windows, evenly spread.
+    context_tokens: the context of each text window, in tokens (the windows are evenly
+      spread over the text).
+    continuation_tokens: the continuation of each text window, in tokens.
+    max_items: at most this many items (text windows, or the first cases).
     held_out: share of the items kept for the final check.
     steps: optax steps of each half's allocation.
     kv_dtypes: quantized K/V dtypes to try the chosen setting with (() for none).
