@@ -1,6 +1,6 @@
 """Exit 2 means the input was refused and nothing ran; once a command's work has begun any
 error, even a ValueError or an OSError, is a failure of the run: exit 1, one line (issue
-31, part 5). The commands run in this process on a tiny random model (`cli._load` is
+31, part 5). The commands run in this process on a tiny random model (`common.load_model` is
 replaced), so each test takes a few seconds."""
 
 import errno
@@ -9,6 +9,7 @@ import pytest
 
 import kvjax
 from kvjax import cli
+from kvjax.cli import common
 from kvjax.testing import ByteTokenizer, tiny_llama
 
 # orbax leaves an asyncio callback behind when a restore of damaged files fails.
@@ -21,7 +22,7 @@ MAX_CONTEXT = 256
 def tiny(monkeypatch):
   """`kvjax ...` loads a tiny random model (byte tokens, context 256) instead of a real one."""
   model, tokenizer = tiny_llama(max_context=MAX_CONTEXT), ByteTokenizer()
-  monkeypatch.setattr(cli, "_load", lambda name: (model, tokenizer))
+  monkeypatch.setattr(common, "load_model", lambda name: (model, tokenizer))
   return model, tokenizer
 
 

@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from kvjax import cli
+from kvjax.cli import common
 from kvjax.eval import _data
 
 CAP = 2**20  # KVJAX_MAX_TEXT_BYTES in these tests: 1 MiB
@@ -42,7 +43,7 @@ def no_model(monkeypatch):
   def load(name):
     raise AssertionError("the model was loaded")
 
-  monkeypatch.setattr(cli, "_load", load)
+  monkeypatch.setattr(common, "load_model", load)
 
 
 def _one_line(err: str) -> str:

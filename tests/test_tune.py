@@ -392,7 +392,7 @@ def test_cli_tune_writes_a_spec_that_generate_and_eval_accept(tmp_path, capsys):
   argv = ["tune", "--target", "kl=0.5", "--out", str(out), "--policies", "kvzip"]
   argv += ["--context-tokens", "256", "--continuation-tokens", "8", "--items", "4"]
   # kl=0.5 is reachable on these items (kvzip meets it near budget 0.13; the grid goes up to
-  # 0.7): exit 0. An unreachable target exits 1 (`cli._tune`): a failure here.
+  # 0.7): exit 0. An unreachable target exits 1 (`kvjax.cli.tune`): a failure here.
   assert cli.main([*argv, "--steps", "2", "--quiet"]) == 0
   table = capsys.readouterr().out
   record = json.loads((out / "tuned.json").read_text())

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kvjax import cli
+from kvjax.cli import common
 from kvjax.runtime.warmup import default_lengths
 
 # A process that runs `kvjax ...` (argv) on a tiny model, or one request when argv is
@@ -15,9 +16,10 @@ from kvjax.runtime.warmup import default_lengths
 _SCRIPT = """
 import json, sys
 from kvjax import cli
+from kvjax.cli import common
 from kvjax.testing import ByteTokenizer, tiny_llama
 model, tokenizer = tiny_llama(max_context=256), ByteTokenizer()
-cli._load = lambda name: (model, tokenizer)
+common.load_model = lambda name: (model, tokenizer)
 if sys.argv[1] == "request":
     import kvjax
     kvjax.generate(model, tokenizer, [[7] * int(sys.argv[2])], max_new_tokens=4)
@@ -75,7 +77,7 @@ def test_warmup_refuses_bad_input_before_any_work(
   for name, value in env_change.items():
     monkeypatch.setenv(name, value)
   model = tiny_llama(max_context=256)
-  monkeypatch.setattr(cli, "_load", lambda name: (model, ByteTokenizer()))
+  monkeypatch.setattr(common, "load_model", lambda name: (model, ByteTokenizer()))
   monkeypatch.setattr(
       "kvjax.runtime.warmup.warmup", lambda *a, **k: pytest.fail("warmup ran"), raising=True
   )

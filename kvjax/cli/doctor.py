@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import platform
 import time
@@ -17,6 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kvjax.cli import common
 
 # The ops with a Pallas kernel, and whether each has a GPU variant (see pallas_kernels).
 KERNELS = {"paged attention": True, "output impact": False, "group importance": False}
@@ -233,11 +236,11 @@ def _check_policy(model, policy, prompts, tokenizer, auto_is_reference):
     return False, "non-finite logits"
   length = np.asarray(state.cache.length)  # [L, B, H]
   # A row keeps its budget per sequence, plus at most its margin (a page at this budget) and
-  # a prefill chunk
-  # (a global ranking moves tokens between sequences, not above this).
+  # a prefill chunk (a global ranking moves tokens between sequences, not above this).
   bound = length.shape[0] * length.shape[2] * (24 + 8 + 16)
   held = int(length.sum(axis=(0, 2)).max())
-  detail = f"a row holds {held} of {max(map(len, prompts)) * length.shape[0] * length.shape[2]} K/V entries (at most {bound} at budget 24)"
+  entries = max(map(len, prompts)) * length.shape[0] * length.shape[2]
+  detail = f"a row holds {held} of {entries} K/V entries (at most {bound} at budget 24)"
   if auto_is_reference:
     return held <= bound, detail
   diff = float(np.abs(np.asarray(state.logits) - np.asarray(run("ref").logits)).max())
@@ -297,3 +300,61 @@ def self_check(progress=None) -> list[Check]:
     if progress is not None:
       progress(checks[-1])
   return checks
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def add_parsers(subparsers) -> None:
+  doctor = subparsers.add_parser(
+      "doctor", help="backend, devices, versions, the implementation impl='auto' runs; a self-check"
+  )
+  doctor.add_argument("--json", action="store_true", help="print one JSON object")
+  doctor.add_argument(
+      "--no-self-check", action="store_true", help="the report only (no ~20 s self-check)"
+  )
+  doctor.set_defaults(func=_doctor)
+
+
+def _print_report(found: dict) -> None:
+  for key, value in found.items():
+    if isinstance(value, dict):
+      print(f"{key}:")
+      for name, item in value.items():
+        text = f"{item['runs']} ({item['why']})" if isinstance(item, dict) else item
+        print(f"  {name}: {text}")
+    else:
+      print(f"{key}: {value}")
+
+
+def _doctor(args) -> int:
+  """Prints what this machine offers kvjax and runs the self-check; 1 if a check fails."""
+  common.begin_work(args)  # no input to check: everything is the run
+  found = report()
+  if not args.json:
+    _print_report(found)
+  checks = []
+  if not args.no_self_check:
+    if not args.json:
+      print(
+          "self-check (a tiny random model; where impl='auto' runs the reference, that is what "
+          "it checks):"
+      )
+
+    def show(check):
+      if not args.json:
+        mark = "ok  " if check.ok else "FAIL"
+        print(f"  {mark} {check.name} ({check.seconds:.1f} s): {check.detail}", flush=True)
+
+    checks = self_check(progress=show)
+  failed = [c.name for c in checks if not c.ok]
+  if args.json:
+    found["self_check"] = [dataclasses.asdict(c) for c in checks]
+    print(json.dumps(found))
+  elif checks:
+    seconds = sum(c.seconds for c in checks)
+    print(
+        f"self-check: {len(checks) - len(failed)} of {len(checks)} passed in {seconds:.0f} s"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+  return common.EXIT_FAILED if failed else 0

@@ -29,12 +29,13 @@ before any array reaches the device: a corrupted or foreign checkpoint is a `Val
 never a state.
 """
 
-from kvjax.persistence._directory import current_version
+from kvjax.persistence._directory import CURRENT, current_version
 from kvjax.persistence._format import FORMAT, StateFileError, tokenizer_fingerprint
 from kvjax.persistence._load import load_state, state_info
 from kvjax.persistence._save import save_state
 
 __all__ = [
+    "CURRENT",
     "FORMAT",
     "StateFileError",
     "current_version",

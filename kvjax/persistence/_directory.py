@@ -17,7 +17,7 @@ try:
 except ImportError:  # not POSIX (Windows): saves into one directory must not overlap there
   fcntl = None
 
-CURRENT = "CURRENT"
+CURRENT = "CURRENT"  # the file naming the current version
 LOCK = ".lock"
 _VERSION = re.compile(r"v(\d+)")
 # What a state directory may hold: CURRENT, its temporaries (`_files.write_bytes` names them
