@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from models.config import ModelConfig, check_params
+from models.registry import DEFAULT_MODEL
 
 # Per-layer weights: name -> shape from config, in `[in, out]` orientation.
 _LAYER_WEIGHTS = {
@@ -247,7 +248,7 @@ class Llama(nnx.Module):
     return (h @ head).astype(jnp.float32), kv_state
 
 
-def load_llama(name_or_path: str = "smollm2-135m-instruct", dtype=jnp.float32, *, cache=True):
+def load_llama(name_or_path: str = DEFAULT_MODEL, dtype=jnp.float32, *, cache=True):
   """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir;
   `cache`: keep the converted weights in kvjax's cache directory (`models.load_model`)."""
   from models.registry import load_model

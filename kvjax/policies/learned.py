@@ -32,7 +32,9 @@ from kvjax.policies.base import SCORE, Policy, write_new_tokens
 from kvjax.sharding import my_heads
 
 FORMAT = "kvjax-learned-scorer/1"
-DEFAULT_MODEL = "smollm2-135m-instruct"
+# The shipped scorer's directory, kvjax/data/scorers/<name>: named for the model it was
+# trained for (the default model of `models.registry`).
+SHIPPED_SCORER = "smollm2-135m-instruct"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,7 +144,7 @@ def normalise(hidden: Float[Array, "... d"]) -> Float[Array, "... d"]:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def shipped_path(model: str = DEFAULT_MODEL) -> pathlib.Path:
+def shipped_path(model: str = SHIPPED_SCORER) -> pathlib.Path:
   """Where the scorer shipped for `model` lives inside the package."""
   return pathlib.Path(str(importlib.resources.files("kvjax") / "data" / "scorers" / model))
 

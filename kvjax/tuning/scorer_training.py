@@ -1,6 +1,6 @@
 """Training the `learned` policy's scorer (KVzap-style) with optax.
 
-    scorer = kvjax.tuning.scorer_training.train_scorer(model, ids, model_name="smollm2-135m-instruct")
+    scorer = kvjax.tuning.scorer_training.train_scorer(model, ids, model_name=models.DEFAULT_MODEL)
     scorer.save("my-scorer")            # orbax-checkpoint; `--scorer my-scorer` uses it
 
 For windows of text, the targets are the log of `kvzip`'s scores (the most attention any
