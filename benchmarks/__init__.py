@@ -1,10 +1,12 @@
-"""Benchmark scripts (`python -m benchmarks.NAME`); they print Markdown tables."""
+"""Benchmark scripts; they print Markdown tables. They live beside the packages, outside the
+wheel, and use kvjax's public API only (tests/test_packaging.py checks it). From the
+repository root, either of
 
+    python -m benchmarks.NAME [options]
+    python benchmarks/NAME.py [options]
 
-def print_table(columns: list[str], rows, *, numeric_from: int = 1) -> None:
-  """Prints a Markdown table: `columns` as the header, each row's cells as given (already
-  formatted); columns from `numeric_from` on are right-aligned."""
-  print("| " + " | ".join(columns) + " |")
-  print("|" + "|".join("---:" if i >= numeric_from else "---" for i in range(len(columns))) + "|")
-  for row in rows:
-    print("| " + " | ".join(str(cell) for cell in row) + " |")
+runs one (each script's docstring says what it measures and with which options)."""
+
+from ._common import print_table
+
+__all__ = ["print_table"]

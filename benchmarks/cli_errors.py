@@ -14,9 +14,13 @@ import pathlib
 import re
 import statistics
 import subprocess
+import sys
 import time
 
-TABLE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+TABLE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 def table_rows(path: pathlib.Path = TABLE) -> list[dict]:

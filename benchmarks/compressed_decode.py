@@ -18,16 +18,19 @@ sequence holds (mean) and the KV MiB held.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 import numpy as np
 
-from kvjax.eval import default_text
-from kvjax.eval._data import DEFAULT_TEXT_SOURCE
+from kvjax import CompressionSpec, decode, fork, prefill
+from kvjax.eval import DEFAULT_TEXT_SOURCE, default_text
 from kvjax.policies import POLICIES
-from kvjax.runtime.session import decode, fork, prefill
-from kvjax.spec import CompressionSpec
 
 FLOOR_TOKENS = 128
 

@@ -11,13 +11,18 @@ falls on all of them alike.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 
 import kvjax
-from benchmarks import print_table
+from benchmarks._common import print_table
 from kvjax.eval import default_text
 
 

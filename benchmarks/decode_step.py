@@ -5,30 +5,40 @@
 On the default model, prefills `--context` less the decode steps (`--steps`, or the steps to
 the first eviction event when more) tokens of text (so that the context and the decode
 steps fit the model's window) under each policy at `--budget` tokens per
-sequence, then times `--steps` greedy decode steps (`kvjax.eval._cost.decode_cost`): median
+sequence, then times `--steps` greedy decode steps (`kvjax.eval.decode_cost`): median
 decode ms/token, its ratio to the full cache, and eviction's share of a step, amortised over
 the steps (timed against the same loop with eviction off, in the same run). The window
 starts with the cache at its budget, so it sees fewer events than a long run does; the
 steady-state share puts the cost of one event (the step that evicts, run with and without
 eviction from the same state, medians) over the period between events (the eviction margin
 plus one token, in whole groups: a sixteenth of the budget, at least a page;
-`kvjax.cache.sizing.margin`). Prints a markdown table. The issue's
+`kvjax.CacheConfig.margin`). Prints a markdown table. The issue's
 goal: eviction under 5% of step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 
-from kvjax.eval import decode_cost, default_text
-from kvjax.eval._data import DEFAULT_TEXT_SOURCE
+from kvjax import CacheConfig, CompressionSpec
+from kvjax.eval import DEFAULT_TEXT_SOURCE, decode_cost, default_text
 from kvjax.policies import POLICIES
-from kvjax.cache.sizing import margin
-from kvjax.spec import CompressionSpec
 
 GOAL = 0.05  # eviction's share of a decode step
+
+
+def _margin(page_size: int, budget: int) -> int:
+  """Tokens a sequence passes its budget by before eviction runs (`CacheConfig.margin`, the
+  default threshold's: a sixteenth of the budget in whole pages, at least one page)."""
+  room = -(-(2 * budget + page_size) // page_size) * page_size  # any capacity past threshold
+  return CacheConfig(page_size=page_size, max_tokens=room, budget=budget, group_size=1).margin
 
 
 def main(argv=None):
@@ -54,7 +64,7 @@ def main(argv=None):
   # Room after the context for the timed steps, and for the steps to the first event
   # (`decode_cost` looks that far for one): the margin plus a page.
   page = CompressionSpec().page_size
-  room = max(args.steps, margin(page, args.budget) + page + 1)
+  room = max(args.steps, _margin(page, args.budget) + page + 1)
   ids, source = tokenizer.encode(default_text())[: args.context - room - 1], DEFAULT_TEXT_SOURCE
   print(
       f"backend={jax.default_backend()} jax={jax.__version__} model=smollm2-135m-instruct f32; "

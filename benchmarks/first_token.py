@@ -14,11 +14,15 @@ its weight cache the converted weights: the case of any second run on a machine.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 # Each child gets the prompt's token ids (argv[1], comma-separated) and prints
 # "<loaded time> <first-token time> <token> <peak RSS KiB>". The peak is the child's own
@@ -26,7 +30,7 @@ import time
 _KVJAX = """
 import sys, time
 import kvjax
-from models.llama import load_llama
+from models import load_llama
 ids = [int(i) for i in sys.argv[1].split(",")]
 model, tok = load_llama()
 loaded = time.time()
@@ -39,7 +43,7 @@ print(loaded, first, result.tokens[0][0], peak)
 _TRANSFORMERS = """
 import sys, time, warnings
 import torch, transformers
-from models.registry import resolve_model
+from models import resolve_model
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -86,13 +90,11 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--prompt", default="The capital of France is")
   args = parser.parse_args(argv)
-  from models.gguf_loader import open_gguf, read_metadata
-  from models.registry import resolve_model
-  from models.tokenizer import Tokenizer
+  from models import Tokenizer, resolve_model
 
   # The tokenizer alone: a parent holding the model would make nothing else slower, but
   # its children would start from its memory.
-  ids = Tokenizer.from_gguf(read_metadata(open_gguf(resolve_model().path))).encode(args.prompt)
+  ids = Tokenizer.from_gguf(resolve_model().path).encode(args.prompt)
   _run(_KVJAX, ids)  # fills the persistent compilation cache
   runs = {"kvjax": [], "transformers": []}
   for _ in range(args.repeats):

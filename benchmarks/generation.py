@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,7 @@ from flax import nnx
 
 import kvjax
 import models
-from benchmarks import print_table
+from benchmarks._common import print_table
 from kvjax.seam import forward
 
 

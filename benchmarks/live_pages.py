@@ -3,15 +3,21 @@
     python -m benchmarks.live_pages --path live|whole-table [--lengths 512 2048]
 
 One path per process (run them alternately, A B A B): "whole-table" patches the reference
-(`paged_attention_reference` + its lse) in where kvjax takes `paged_attention_live_blocks`.
+(`paged_attention_reference` + its lse) in where kvjax takes `paged_attention_live_blocks`
+(prefill chunks; decode steps read the live prefix of the table on both paths).
 Prints, per prompt length, prefill tokens/s and decode ms/token (medians after a warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 
@@ -39,7 +45,7 @@ def main(argv=None):
     attention.paged_attention_live_blocks = _whole_table
   import kvjax
   from kvjax.eval import default_text
-  from models.llama import load_llama
+  from models import load_llama
 
   model, tok = load_llama()
   ids = tok.encode(default_text())

@@ -11,16 +11,20 @@ each and the ratio paged/dense, all measured in one run.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from benchmarks import print_table
-from kvjax.cache.pages import whole_pages
+from benchmarks._common import print_table
 from pallas_kernels.paged_attention import paged_attention_reference
 
 
@@ -91,7 +95,7 @@ def run(sizes, steps=32, repeats=15, batch=1, hq=9, hkv=3, d=64, page_size=16):
   rows = []
   for n in sizes:
     total = steps * (repeats + 1)  # tokens appended over all timed and warm-up loops
-    capacity = whole_pages(n + total, page_size)
+    capacity = -(-(n + total) // page_size) * page_size  # in whole pages
     k0 = jnp.asarray(rng.normal(size=(1, batch, n, hkv, d)), jnp.float32)
     v0 = jnp.asarray(rng.normal(size=(1, batch, n, hkv, d)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(batch, 1, hq, d)), jnp.float32)

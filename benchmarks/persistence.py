@@ -30,6 +30,9 @@ import sys
 import tempfile
 import time
 
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
 FACT = " The vault code is 48213. "
 QUESTION = "What is the vault code?"
 
@@ -37,7 +40,7 @@ _LOAD = """
 import time
 start = time.perf_counter()
 import jax
-from models.llama import load_llama
+from models import load_llama
 imported = time.perf_counter()
 model, tokenizer = load_llama()
 jax.block_until_ready(model.embed[...])
@@ -59,7 +62,7 @@ def compress_once_ask_many(args) -> list[str]:
 
   import kvjax
   from kvjax.eval import answer_from_state, context_prompt
-  from models.llama import load_llama
+  from models import load_llama
 
   model, tokenizer = load_llama()
   spec = kvjax.CompressionSpec(policy=args.policy, budget=args.budget)

@@ -12,11 +12,15 @@ pages, and whether each peak is within the bound.
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import kvjax
-from kvjax.cache import sizing
-from kvjax.eval._data import default_text, read_text
-from kvjax.cache.pages import whole_pages
+from benchmarks._common import read_text
+from kvjax.eval import default_text
 from kvjax.policies import POLICIES
 
 
@@ -39,9 +43,11 @@ def main(argv=None):
   token_bytes = 2 * c.head_dim * 4
   sequences = c.n_layers * c.n_kv_heads
 
-  def bound(b):  # each sequence at its peak under eviction, in whole pages
-    peak = sizing.peak_tokens(b, sizing.margin(page, b), args.prefill_chunk)
-    return sequences * whole_pages(peak, page) * token_bytes
+  def bound(b):  # each sequence at its peak under eviction, in whole pages: its budget, the
+    # margin its cache evicts at (the default threshold) and one chunk appended before that
+    room = -(-(2 * b + args.prefill_chunk + page) // page) * page  # capacity past the peak
+    config = kvjax.CacheConfig(page_size=page, max_tokens=room, budget=b, group_size=1)
+    return sequences * config.pages_per_sequence(args.prefill_chunk) * page * token_bytes
 
   def report(label, variant, options, budget_for_bound):
     kwargs = {} if label == "full" else {"budget": options.pop("budget", budget)}

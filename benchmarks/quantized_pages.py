@@ -13,8 +13,13 @@ decode ms/token, their ratios to float32 in the same run, and the K/V bytes each
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 

@@ -4,7 +4,7 @@ Nothing runs on devices: the numbers come from kvjax's own sizing. `CompressionS
 sizes the pool as `kvjax.prefill` would, the pool of one shard is its share of the
 sequences (`kvjax.sharding`), and `jax.eval_shape` of `init_cache` for one shard's rows and
 kv heads gives the bytes of every array a device holds (pool, slots, its page-table block).
-Weights per device follow the Llama partition rules (`models.llama.Llama.partition`).
+Weights per device follow the Llama partition rules (`models.Llama.partition`).
 
     python -m benchmarks.scaling            # the table of docs/scaling.md
 """
@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 import types
+
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import jax
 
-from kvjax.cache.paged_cache import init_cache
-from kvjax.seam import ModelShape
+from kvjax import CompressionSpec, ModelShape, init_cache
 from kvjax.sharding import shard_config
-from kvjax.spec import CompressionSpec
-from models import ModelConfig
-from models.llama import Llama
+from models import Llama, ModelConfig
 
 
 def _llama3(name: str, d_model: int, n_layers: int, n_heads: int, ffn_dim: int) -> ModelConfig:

@@ -46,11 +46,14 @@ import tempfile
 import time
 import warnings
 
+if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
+  sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
 import jax
 import numpy as np
 
 import kvjax
-from kvjax.eval._data import default_text
+from kvjax.eval import default_text
 
 SEQUENCE = (480, 650, 820, 990, 1160, 1330)  # the request sequence's prompt lengths
 
@@ -148,8 +151,7 @@ def main(argv=None):
   import torch
   import transformers
 
-  from models.llama import load_llama
-  from models.registry import resolve_model
+  from models import load_llama, resolve_model
 
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8000])
@@ -204,7 +206,7 @@ def main(argv=None):
 def _first_requests(args):
   """Two fresh processes over one new cache directory (see the module docstring)."""
   directory = tempfile.mkdtemp(prefix="kvjax-first-")
-  common = [sys.executable, "-m", "benchmarks.vs_torch", "--cache-dir", directory]
+  common = [sys.executable, str(pathlib.Path(__file__).resolve()), "--cache-dir", directory]
   runs = {}
   for name, extra in (
       ("empty", ["--part", "all", "--lengths", "2048", "--repeats", str(args.repeats)]),

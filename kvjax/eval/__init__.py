@@ -11,11 +11,12 @@ Stable API (other tools call it):
 - `bench` / `decode_cost`: KV bytes, prefill seconds, decode ms/token, eviction share;
 - `run_sweep` (policies x budgets x request lengths) and `write_results` (results.json,
   results.md, PNG plots; schema in `kvjax.eval._report`, checked by `validate_results`);
-- `default_text`: the shipped public-domain text used when no data is given.
+- `default_text`: the shipped public-domain text used when no data is given;
+  `DEFAULT_TEXT_SOURCE` says what it is (for reports).
 """
 
 from kvjax.eval._cost import decode_cost
-from kvjax.eval._data import default_text
+from kvjax.eval._data import DEFAULT_TEXT_SOURCE, default_text
 from kvjax.eval._fidelity import compare_predictions, continuation_logits, fidelity
 from kvjax.eval._report import METRICS, SCHEMA
 from kvjax.eval._report import validate as validate_results
@@ -32,6 +33,7 @@ from kvjax.eval._tasks import (
 )
 
 __all__ = [
+    "DEFAULT_TEXT_SOURCE",
     "METRICS",
     "SCHEMA",
     "TASKS",
