@@ -35,6 +35,8 @@ ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
 AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given
 COMPRESS_MODES = ("running", "once")
+# The fields that say how a policy compresses, as opposed to the cache's layout and kernels.
+_POLICY_OPTIONS = ("budget", "threshold", "scorer", "allocation", "head_budget", "compress")
 
 
 def _field(default, help: str, **cli):
@@ -275,15 +277,7 @@ class CompressionSpec:
   def full_cache(self) -> "CompressionSpec":
     """The full cache with this spec's layout and kernels (page size, chunk, dtype, impl):
     the policy's own options (budget, threshold, scorer, sharing, mode) are dropped."""
-    return self.replace(
-        policy="full",
-        budget=None,
-        threshold=None,
-        scorer=None,
-        allocation=None,
-        head_budget=None,
-        compress=None,
-    )
+    return self.replace(policy="full", **dict.fromkeys(_POLICY_OPTIONS))
 
   def to_dict(self) -> dict:
     """Plain values (the policy by name, with its options), e.g. for results files."""
@@ -415,24 +409,13 @@ class CompressionSpec:
     # cache's for the same batch (short prompts under a large budget), though it holds at
     # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
     # request needs more (`kvjax.runtime.pool.fit`).
-    pages_per_layer = [
-        layer_pages(
-            int(b),
-            heads=h,
-            shared=per_head,
-            page_size=ps,
-            margin_tokens=margin_tokens,
-            chunk=chunk,
-            protected=protected,
-            request=longest + reserve,
-        )
-        for b in budgets
-    ]
-    cfg = CacheConfig(
-        max_tokens=capacity,
-        num_pages=batch * sum(pages_per_layer) + 1,
-        **common,
+    peaks = peak_tokens(budgets, margin_tokens, chunk, protected)  # per layer, a sequence's
+    request = longest + reserve
+    pages_per_layer = layer_pages(
+        budgets, peaks, heads=h, shared=per_head, page_size=ps, request=request
     )
+    num_pages = batch * int(pages_per_layer.sum()) + 1
+    cfg = CacheConfig(max_tokens=capacity, num_pages=num_pages, **common)
     eviction = EvictionPlan(
         self.policy,
         tuple(int(b) for b in budgets),

@@ -53,25 +53,15 @@ def peak_tokens(budget, margin_tokens, chunk: int, floor=0):
   return int(peak) if np.ndim(peak) == 0 else peak
 
 
-def layer_pages(
-    budget: int,
-    *,
-    heads: int,
-    shared: bool,
-    page_size: int,
-    margin_tokens: int,
-    chunk: int,
-    protected: int,
-    request: int,
-) -> int:
-  """Pages one row's layer needs at its peak: each of its `heads` sequences at its own peak
-  (`shared`: the heads share the layer's `heads x budget` tokens, so the pages are counted
-  over the layer, plus a partly filled page per head), and never more than the request
-  (`request` tokens per sequence, at least the budget): the pool never exceeds the full
-  cache's for the same batch."""
-  peak = pages_for(peak_tokens(budget, margin_tokens, chunk, protected), page_size)
-  evicting = heads * peak + (heads if shared else 0)
-  return min(evicting, heads * pages_for(max(request, budget), page_size))
+def layer_pages(budget, peak, *, heads: int, shared: bool, page_size: int, request: int):
+  """Pages one row's layer needs at its peak, for a sequence's `budget` and its `peak`
+  tokens (`peak_tokens`; ints, or NumPy arrays of one per layer): each of its `heads`
+  sequences at its own peak (`shared`: the heads share the layer's `heads x budget` tokens,
+  so the pages are counted over the layer, plus a partly filled page per head), and never
+  more than the request (`request` tokens per sequence, at least the budget): the pool never
+  exceeds the full cache's for the same batch."""
+  evicting = heads * pages_for(peak, page_size) + (heads if shared else 0)
+  return np.minimum(evicting, heads * pages_for(np.maximum(request, budget), page_size))
 
 
 def held_pages_bound(

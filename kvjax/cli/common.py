@@ -93,3 +93,8 @@ def prefill_bar(args):
       bar.close()
 
   return progress
+
+
+def print_summary(*parts: str) -> None:
+  """A run's one-line summary on stderr, `[part; part; ...]` (the answer goes to stdout)."""
+  print(f"[{'; '.join(parts)}]", file=sys.stderr)

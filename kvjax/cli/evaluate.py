@@ -84,58 +84,51 @@ def _add_run_flags(parser, task: str) -> None:
 
 def _add_task_flags(parser, task: str) -> None:
   """The options of `task` alone (`_eval_options` reads them)."""
+  for flag, options in _task_flags(task):
+    parser.add_argument(flag, default=None, **options)
+
+
+def _task_flags(task: str) -> list[tuple[str, dict]]:
+  """(flag, argparse options) of `task`'s own options, in the order its help lists them."""
+  flags = []
   if task in ("fidelity", "perplexity"):
-    parser.add_argument(
-        "--windows", type=int, default=None, help="text windows per length (default: 8; --quick: 1)"
-    )
-    default_continuation = 64 if task == "fidelity" else 128
-    parser.add_argument(
-        "--continuation-tokens",
-        type=int,
-        default=None,
-        help=f"tokens scored after each window (default: {default_continuation}; --quick: 16)",
-    )
+    continuation = 64 if task == "fidelity" else 128
+    flags += [
+        ("--windows", _count("text windows per length (default: 8; --quick: 1)")),
+        (
+            "--continuation-tokens",
+            _count(f"tokens scored after each window (default: {continuation}; --quick: 16)"),
+        ),
+    ]
   if task in ("passkey", "retention"):
     depths = " ".join(map(str, _DEFAULT_DEPTHS if task == "passkey" else [0.1, 0.5, 0.9]))
-    parser.add_argument(
-        "--depths",
-        nargs="+",
-        type=float,
-        default=None,
-        help=f"where the needle sits, fractions of the context (default: {depths}; --quick: 0.5)",
-    )
+    where = f"where the needle sits, fractions of the context (default: {depths}; --quick: 0.5)"
+    flags.append(("--depths", dict(nargs="+", type=float, help=where)))
   if task == "passkey":
-    parser.add_argument(
-        "--trials",
-        type=int,
-        default=None,
-        help="keys per filler and depth (default: 4; --quick: 1)",
-    )
-    parser.add_argument(
-        "--fillers",
-        nargs="+",
-        default=None,
-        help="haystacks: 'repeat' (a synthetic sentence group, repeated), 'text' (a window of "
+    haystacks = (
+        "haystacks: 'repeat' (a synthetic sentence group, repeated), 'text' (a window of "
         "--text or the shipped text per case) and/or 'needles' (such a window with a key per "
-        "door, three doors, one asked) (default: text needles; --quick: repeat)",
+        "door, three doors, one asked) (default: text needles; --quick: repeat)"
     )
+    flags += [
+        ("--trials", _count("keys per filler and depth (default: 4; --quick: 1)")),
+        ("--fillers", dict(nargs="+", help=haystacks)),
+    ]
   if task == "multi_question":
-    parser.add_argument(
-        "--facts", type=int, default=None, help="questions per context (default: 4)"
-    )
-    parser.add_argument(
-        "--trials", type=int, default=None, help="contexts per length (default: 6; --quick: 1)"
-    )
+    flags += [
+        ("--facts", _count("questions per context (default: 4)")),
+        ("--trials", _count("contexts per length (default: 6; --quick: 1)")),
+    ]
   if task == "bench":
-    parser.add_argument(
-        "--decode-steps",
-        type=int,
-        default=None,
-        help="decoded tokens timed (default: 32; --quick: 8)",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="timed runs, median kept (default: 3; --quick: 1)"
-    )
+    flags += [
+        ("--decode-steps", _count("decoded tokens timed (default: 32; --quick: 8)")),
+        ("--repeats", _count("timed runs, median kept (default: 3; --quick: 1)")),
+    ]
+  return flags
+
+
+def _count(help: str) -> dict:
+  return dict(type=int, help=help)
 
 
 def _evaluate(args) -> int:

@@ -146,12 +146,12 @@ def _generate(args) -> int:
     sys.stdout.flush()
   print()
   stats = generation.result.stats
-  print(
-      f"[{stats['prompt_tokens'][0]} prompt + {stats['generated_tokens'][0]} generated tokens; "
-      f"{stats['kept_fraction'][0]:.0%} of the prompt's KV kept; "
-      f"prefill {stats['prefill_seconds']:.2f} s; decode {stats['decode_tokens_per_s']:.1f} "
-      f"tokens/s (streaming); peak KV {stats['peak_kv_bytes'] / 2**20:.1f} MiB]",
-      file=sys.stderr,
+  common.print_summary(
+      f"{stats['prompt_tokens'][0]} prompt + {stats['generated_tokens'][0]} generated tokens",
+      f"{stats['kept_fraction'][0]:.0%} of the prompt's KV kept",
+      f"prefill {stats['prefill_seconds']:.2f} s",
+      f"decode {stats['decode_tokens_per_s']:.1f} tokens/s (streaming)",
+      f"peak KV {stats['peak_kv_bytes'] / 2**20:.1f} MiB",
   )
   return 0
 

@@ -122,11 +122,11 @@ def _prefill_and_save(args) -> int:
   }
   if args.json:
     print(json.dumps({"path": str(save), "spec": spec.to_dict(), "stats": stats}))
-  print(
-      f"[{stats['context_tokens']} context tokens; KV {stats['kv_bytes'] / 2**20:.1f} MiB of "
-      f"{stats['full_kv_bytes'] / 2**20:.1f} MiB full; prefill {prefill_seconds:.2f} s; saved "
-      f"{save} ({stats['disk_bytes'] / 2**20:.1f} MiB) in {stats['save_seconds']:.2f} s]",
-      file=sys.stderr,
+  common.print_summary(
+      f"{stats['context_tokens']} context tokens",
+      f"KV {stats['kv_bytes'] / 2**20:.1f} MiB of {stats['full_kv_bytes'] / 2**20:.1f} MiB full",
+      f"prefill {prefill_seconds:.2f} s",
+      f"saved {save} ({stats['disk_bytes'] / 2**20:.1f} MiB) in {stats['save_seconds']:.2f} s",
   )
   return 0
 

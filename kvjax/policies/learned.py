@@ -70,23 +70,16 @@ class Scorer:
     return isinstance(other, Scorer) and self._digest == other._digest
 
   @property
-  def num_layers(self) -> int:
-    return self.weight.shape[0]
-
-  @property
-  def num_kv_heads(self) -> int:
-    return self.weight.shape[2]
-
-  @property
-  def hidden_size(self) -> int:
-    return self.weight.shape[1]
+  def shape(self) -> tuple[int, int, int]:
+    """(layers, hidden size, kv heads): what the scorer reads and for which heads."""
+    return tuple(self.weight.shape)
 
   def predict(self, hidden: Float[Array, "B T d"], layer) -> Float[Array, "B T H"]:
     """Predicted log-scores of one layer's tokens from the layer's input hidden states
     (`layer` may be traced: the weights are indexed inside jit)."""
-    if hidden.shape[-1] != self.hidden_size:
+    if hidden.shape[-1] != self.shape[1]:
       raise ValueError(
-          f"the scorer reads hidden states of size {self.hidden_size}, got {hidden.shape}"
+          f"the scorer reads hidden states of size {self.shape[1]}, got {hidden.shape}"
       )
     x = normalise(hidden)
     return x @ jnp.asarray(self.weight)[layer] + jnp.asarray(self.bias)[layer]
@@ -95,7 +88,7 @@ class Scorer:
     """ValueError unless `model` is the model this scorer was trained for."""
     shape = (model.config.n_layers, model.config.n_kv_heads)
     if (
-        shape != (self.num_layers, self.num_kv_heads)
+        shape != (self.shape[0], self.shape[2])
         or model_fingerprint(model) != self.fingerprint
     ):
       name = getattr(model.config, "name", type(model).__name__)
@@ -110,13 +103,14 @@ class Scorer:
 
   def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> pathlib.Path:
     """Writes the scorer to directory `path` atomically (a complete directory or none)."""
+    layers, hidden, heads = self.shape
     meta = {
         "format": FORMAT,
         "model": self.model,
         "fingerprint": self.fingerprint,
-        "num_layers": self.num_layers,
-        "hidden_size": self.hidden_size,
-        "num_kv_heads": self.num_kv_heads,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_kv_heads": heads,
         "metrics": self.metrics,
     }
     params = {"weight": self.weight, "bias": self.bias}
