@@ -15,6 +15,34 @@ from models import resolve_model
 from models.tokenizer import Tokenizer
 
 
+def _failing_second_call(real):
+  """`real`, except that its second call raises RuntimeError('boom') (a crashed case)."""
+  calls = []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("boom")
+    return real(*args, **kwargs)
+
+  return flaky
+
+
+SHORT_FIDELITY = {"continuation_tokens": 4, "windows": 1}
+
+
+@pytest.fixture
+def sweep(model, tokenizer, text_ids):
+  """`E.run_sweep(task, policies, budgets, context_tokens, ...)` on the shared model and text,
+  without a progress bar."""
+
+  def run(task, policies, budgets, context_tokens, **kwargs):
+    lists = dict(policies=policies, budgets=budgets, context_tokens=context_tokens)
+    return E.run_sweep(task, model, tokenizer, ids=text_ids, progress=False, **lists, **kwargs)
+
+  return run
+
+
 def _tiny_model():
   return tiny_llama(vocab_size=64, max_context=256)
 
@@ -231,15 +259,7 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
   assert r["accuracy"] == r["correct"] / 8 and r["peak_kv_bytes"] > 0
   assert [a["case"] for a in r["answers"]] == [0] * 4 + [1] * 4
   assert all(isinstance(a["answer"], str) for a in r["answers"])
-  real, calls = _answers.prefill, []
-
-  def flaky(*args, **kw):
-    calls.append(1)
-    if len(calls) == 2:
-      raise RuntimeError("boom")
-    return real(*args, **kw)
-
-  monkeypatch.setattr(_answers, "prefill", flaky)
+  monkeypatch.setattr(_answers, "prefill", _failing_second_call(_answers.prefill))
   r = E.multi_question(model, tokenizer, text_ids, **kwargs)
   assert r["failed"] == 1 and r["errors"] == ["RuntimeError: boom"] and r["questions"] == 8
   assert [a["answer"] for a in r["answers"][4:]] == [None] * 4
@@ -364,15 +384,7 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
 
 
 def test_a_crashed_case_is_counted_and_shown_not_skipped(model, tokenizer, text_ids, monkeypatch):
-  real, calls = _tasks.fidelity, []
-
-  def flaky(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-      raise RuntimeError("boom")
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(_tasks, "fidelity", flaky)
+  monkeypatch.setattr(_tasks, "fidelity", _failing_second_call(_tasks.fidelity))
   r = E.windowed_fidelity(
       model, tokenizer, text_ids, context_tokens=64, continuation_tokens=4, windows=2
   )
@@ -399,7 +411,7 @@ def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tok
 
 @pytest.mark.slow  # a sweep per policy; test_hardening's sweep test covers saving rows by default
 def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
-    model, tokenizer, text_ids, monkeypatch, tmp_path
+    sweep, monkeypatch, tmp_path
 ):
   real = _sweep._run_one
 
@@ -409,17 +421,8 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
     return real(task, model, tokenizer, length, spec, *args)
 
   monkeypatch.setattr(_sweep, "_run_one", crash_on_tova)
-  results = E.run_sweep(
-      "fidelity",
-      model,
-      tokenizer,
-      policies=["full", "h2o", "tova"],
-      budgets=[0.5, 32],
-      context_tokens=[64, 96],
-      ids=text_ids,
-      options={"continuation_tokens": 4, "windows": 1},
-      progress=False,
-  )
+  policies = ["full", "h2o", "tova"]
+  results = sweep("fidelity", policies, [0.5, 32], [64, 96], options=SHORT_FIDELITY)
   E.validate_results(results)
   rows = results["rows"]
   assert len(rows) == 2 * (1 + 2 * 2)
@@ -439,20 +442,9 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
   assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
-def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(
-    model, tokenizer, text_ids, tmp_path
-):
-  results = E.run_sweep(
-      "multi_question",
-      model,
-      tokenizer,
-      policies=["full", "h2o"],
-      budgets=[0.5],
-      context_tokens=[200],
-      ids=text_ids,
-      options={"facts": 4, "trials": 1},
-      progress=False,
-  )
+def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(sweep, tmp_path):
+  options = {"facts": 4, "trials": 1}
+  results = sweep("multi_question", ["full", "h2o"], [0.5], [200], options=options)
   E.validate_results(results)
   rows = results["rows"]
   assert [r["metrics"]["questions"] for r in rows] == [4.0, 4.0]
@@ -462,32 +454,13 @@ def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(
   md = (tmp_path / "results.md").read_text()
   assert "| accuracy | correct | questions | peak_kv_bytes | full-cache accuracy |" in md
   with pytest.raises(ValueError, match="facts must be an int >= 1"):
-    E.run_sweep(
-        "multi_question",
-        model,
-        tokenizer,
-        policies=["full"],
-        budgets=[],
-        context_tokens=[200],
-        ids=text_ids,
-        options={"facts": 0},
-        progress=False,
-    )
+    sweep("multi_question", ["full"], [], [200], options={"facts": 0})
 
 
 @pytest.mark.slow  # heavy: run with -m slow
-def test_bench_sweep_reports_cost_per_length(model, tokenizer, text_ids, tmp_path):
-  results = E.run_sweep(
-      "bench",
-      model,
-      tokenizer,
-      policies=["full", "streaming"],
-      budgets=[32],
-      context_tokens=[64, 128],
-      ids=text_ids,
-      options={"decode_steps": 4, "repeats": 1},
-      progress=False,
-  )
+def test_bench_sweep_reports_cost_per_length(sweep, tmp_path):
+  options = {"decode_steps": 4, "repeats": 1}
+  results = sweep("bench", ["full", "streaming"], [32], [64, 128], options=options)
   E.validate_results(results)
   by = {(r["policy"], r["context_tokens"]): r["metrics"] for r in results["rows"]}
   assert by["streaming", 128]["kv_bytes_final"] < by["full", 128]["kv_bytes_final"]
@@ -528,21 +501,29 @@ def test_validate_rejects_results_off_the_schema(model):
       E.validate_results(broken)
 
 
-def test_data_files_fail_clearly(tmp_path):
-  with pytest.raises(FileNotFoundError, match="cannot read text file .*missing.txt"):
-    _data.read_text(tmp_path / "missing.txt")
-  (tmp_path / "empty.txt").write_text("  \n")
-  with pytest.raises(ValueError, match="is empty"):
-    _data.read_text(tmp_path / "empty.txt")
-  (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
-  with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
-    _data.read_jsonl(tmp_path / "bad.jsonl", ("text",))
-  (tmp_path / "field.jsonl").write_text('{"context": "a", "question": "b"}\n')
-  with pytest.raises(ValueError, match=r"field.jsonl:1: needs string field\(s\) \['answer'\]"):
-    _data.read_jsonl(tmp_path / "field.jsonl", ("context", "question", "answer"))
+@pytest.mark.parametrize(
+    "name, content, fields, match",
+    [
+        ("missing.txt", None, None, "cannot read text file .*missing.txt"),
+        ("empty.txt", "  \n", None, "is empty"),
+        ("bad.jsonl", '{"text": "a"}\n{oops\n', ("text",), "bad.jsonl:2: not valid JSON"),
+        (
+            "field.jsonl",
+            '{"context": "a", "question": "b"}\n',
+            ("context", "question", "answer"),
+            r"field.jsonl:1: needs string field\(s\) \['answer'\]",
+        ),
+    ],
+)
+def test_data_files_fail_clearly(tmp_path, name, content, fields, match):
+  path = tmp_path / name
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(FileNotFoundError if content is None else ValueError, match=match):
+    _data.read_text(path) if fields is None else _data.read_jsonl(path, fields)
 
 
-def test_a_sweep_records_the_head_allocation_its_rows_used(model, tokenizer, text_ids):
+def test_a_sweep_records_the_head_allocation_its_rows_used(model, sweep):
   """--spec tuned.json with an allocation: the results say so (it applies to its policy)."""
   shape = (model.config.n_layers, model.config.n_kv_heads)
   allocation = HeadAllocation(
@@ -553,29 +534,9 @@ def test_a_sweep_records_the_head_allocation_its_rows_used(model, tokenizer, tex
       model="tiny",
       fingerprint=model_fingerprint(model),
   )
-  results = E.run_sweep(
-      "fidelity",
-      model,
-      tokenizer,
-      policies=["full", "kvzip"],
-      budgets=[32],
-      context_tokens=[64],
-      ids=text_ids,
-      spec=kvjax.CompressionSpec(policy="kvzip", budget=32, allocation=allocation),
-      options={"continuation_tokens": 4, "windows": 1},
-      progress=False,
-  )
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=32, allocation=allocation)
+  results = sweep("fidelity", ["full", "kvzip"], [32], [64], spec=spec, options=SHORT_FIDELITY)
   E.validate_results(results)
   assert results["config"]["spec"]["allocation"] == {"policy": "kvzip", "path": None}
-  without = E.run_sweep(
-      "fidelity",
-      model,
-      tokenizer,
-      policies=["full"],
-      budgets=[],
-      context_tokens=[64],
-      ids=text_ids,
-      options={"continuation_tokens": 4, "windows": 1},
-      progress=False,
-  )
+  without = sweep("fidelity", ["full"], [], [64], options=SHORT_FIDELITY)
   assert without["config"]["spec"]["allocation"] is None
