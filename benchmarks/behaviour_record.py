@@ -74,8 +74,12 @@ def record(path):
   _, ra = kvjax.decode(model, a, max_new_tokens=16)
   out["session"]["kvzip/0.25"] = {
       "tokens": ra.tokens[0],
-      "info": {k: v for k, v in info.items() if isinstance(v, (int, float, str)) and
-               k not in ("kvjax_version", "saved_at", "created")},
+      # Not the time of saving, nor the digest (it covers that time).
+      "info": {
+          k: v
+          for k, v in info.items()
+          if isinstance(v, (int, float, str)) and k not in ("kvjax_version", "saved_at", "digest")
+      },
   }
   print("session", ra.tokens[0][:6], sorted(info), flush=True)
   references = {}
