@@ -13,7 +13,6 @@ from jaxtyping import Array, Float
 from kvjax.cache.paged_cache import Slot, logical_view, to_host
 from kvjax.cache.pages import pages_for
 from kvjax.policies.base import SCORE, Policy, read_layer, require_model_method, write_layer
-from kvjax.runtime.prompts import EncodedPrompts
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 ATTEND_TO = ("chunk", "context")
@@ -90,7 +89,6 @@ class KVzip(Policy):
       context_length = jnp.copy(state.cache.length)  # what each whole-context pass is cut to
     for start in range(0, longest, chunk):
       rows = [prompt + row[start : start + chunk] for row in context.ids]
-      piece = EncodedPrompts(rows, [[False] * len(r) for r in rows], [[0] * len(r) for r in rows])
       options = dict(
           key=jax.random.fold_in(state.key, start), step=f"{self.name} scoring", chunk=max(step, 1)
       )
@@ -106,7 +104,7 @@ class KVzip(Policy):
         state = state.replace(position=jax.device_put(after.astype(np.int32)))
         state = reader.read_after_span(
             state,
-            piece,
+            rows,
             start=start,
             span=chunk,
             sink=state.plan.spec.sink,
@@ -114,7 +112,7 @@ class KVzip(Policy):
             **options,
         )
       else:
-        state = reader.read(state.replace(position=position), piece, **options)
+        state = reader.read(state.replace(position=position), rows, **options)
         state = reader.cut(state, context_length)
     return state.replace(logits=logits, position=position)
 

@@ -39,6 +39,11 @@ class EncodedPrompts:
   protected: list[list[bool]]
   segment: list[list[int]]
 
+  @classmethod
+  def unmarked(cls, ids: list[list[int]]) -> "EncodedPrompts":
+    """Rows of token ids with nothing protected and no segment."""
+    return cls(ids, [[False] * len(row) for row in ids], [[0] * len(row) for row in ids])
+
   @property
   def lengths(self) -> np.ndarray:
     return np.array([len(x) for x in self.ids], np.int32)

@@ -354,7 +354,8 @@ def run_decode(
 class ContextReader:
   """What a policy's `score_context` may do with a context before it is compressed: read
   tokens into the state (observing, or not; after the whole context, or after one span of
-  it) and cut the cache back."""
+  it) and cut the cache back. What it reads is an `EncodedPrompts`, or rows of token ids
+  (nothing protected)."""
 
   model: object
   tokenizer: object
@@ -365,6 +366,7 @@ class ContextReader:
   ) -> State:
     """`encoded` read after each row's tokens, the policy observing (unless not `observe`)
     and nothing evicted; `chunk`: tokens per compiled step instead of the plan's."""
+    encoded = _encoded(encoded)
     plan = state.plan
     reading = plan if observe else dataclasses.replace(plan, eviction=None)
     if chunk is not None:
@@ -395,6 +397,7 @@ class ContextReader:
           f"start={start}, span={span} and lookback={lookback} must be whole pages of {ps} "
           "tokens (span at least one)"
       )
+    encoded = _encoded(encoded)
     sink_pages = pages_for(sink, ps)
     pages = (lookback + span) // ps
     # Room for the new tokens after a span whose last page may be partly filled, and for
@@ -418,6 +421,10 @@ class ContextReader:
     cut = truncate(read.cache, length)
     restored = cut.replace(config=cache.config, pages=cache.pages.unwindow(cut.pages))
     return read.replace(cache=restored)
+
+
+def _encoded(prompts) -> EncodedPrompts:
+  return prompts if isinstance(prompts, EncodedPrompts) else EncodedPrompts.unmarked(prompts)
 
 
 @functools.partial(jax.jit, static_argnames=("sink_pages", "pages", "width"))

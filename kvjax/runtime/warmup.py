@@ -20,6 +20,8 @@ from kvjax.cache.sizing import BUCKET_TOKENS
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
 
+# What the warm-up prompts say: the compiled steps depend on the prompts' lengths only.
+_FILLER = "The committee met on Tuesday to review the budget, the schedule and the plans. "
 SHORT_PROMPTS = (32, 64, 128)  # chat-sized prompts: prefill chunks of 32, 64 and 128 tokens
 
 
@@ -70,13 +72,13 @@ def warmup(
     sampling: Sampling = Sampling(),
     report=None,
 ) -> list[dict]:
-  """Runs `kvjax.generate` once per prompt length (filler tokens, no chat template,
-  `batch` rows) with these settings, so that the store holds their compiled steps.
+  """Runs `kvjax.generate` once per prompt length (a repeated filler sentence, no chat
+  template, `batch` rows) with these settings, so that the store holds their compiled steps
+  (they depend on shapes and settings, not on the text).
 
   `lengths` default to `default_lengths`. `report(row)` is called after each length.
   Returns one dict per length: length, compiled (steps compiled), loaded (steps loaded
   from the store), seconds (the request's wall time)."""
-  from kvjax.eval import default_text
   from kvjax.runtime.generation import generate
 
   spec = CompressionSpec() if spec is None else spec
@@ -91,7 +93,7 @@ def warmup(
           f"lengths: a {n}-token prompt + max_new_tokens={max_new_tokens} passes the model "
           f"context {shape.max_context}"
       )
-  filler = tokenizer.encode(default_text())
+  filler = tokenizer.encode(_FILLER)
   filler = filler * -(-max(lengths, default=1) // len(filler))
   rows = []
   for n in lengths:
