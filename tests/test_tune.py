@@ -78,7 +78,8 @@ def test_hard_evaluation_equals_the_real_pipeline(
   for i, item in enumerate(calibration.items):
     real = fidelity(model, list(item.ids), list(item.continuation), spec, tokenizer=tokenizer)
     t = len(item.continuation)
-    np.testing.assert_allclose(measured.kl_items[i], real["kl"] * t / (t - 1), rtol=2e-3, atol=1e-7)
+    # float32 sums in another order: a KL of 4e-5 nats differs by 2e-7 (0.5 %) at budget 0.5.
+    np.testing.assert_allclose(measured.kl_items[i], real["kl"] * t / (t - 1), rtol=2e-3, atol=1e-6)
     state = kvjax.prefill(model, [list(item.ids)], spec, tokenizer=tokenizer, reserve=t)
     kept = np.asarray(state.cache.length).sum() / (state.cache.length.size * CONTEXT)
     assert kept == pytest.approx(real["kept_fraction"])
