@@ -31,10 +31,13 @@ picture in the README is the default command's output.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import pathlib
 import sys
+
+from kvjax_store import files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = "docs/results"
@@ -192,9 +195,13 @@ def draw(curves: dict[str, list[dict]], runs: list[dict], out: pathlib.Path) -> 
   )
   fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
   fig.tight_layout(rect=(0, 0.1, 1, 1))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(out)
+  # Rendered to bytes and written atomically, like every file kvjax writes (a temporary
+  # beside `out`, renamed over it: a symlink planted at `out` is replaced, never followed).
+  image = io.BytesIO()
+  fig.savefig(image, format=out.suffix.removeprefix(".").lower() or "png")
   plt.close(fig)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  files.write_bytes(out, image.getvalue())
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ from kvjax.eviction.allocation import HeadAllocation
 from kvjax.cache.config import GROUP_REDUCTIONS, CacheConfig
 from kvjax.cache.pages import pages_for, whole_pages
 from kvjax.cache.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
-from kvjax._checks import is_int
+from kvjax._checks import check_int, is_int
 from pallas_kernels.page_format import KV_DTYPES
 from kvjax.policies import Full, Policy, get_policy
 from kvjax.eviction.budgets import BUDGET_SCHEDULES, HEAD_BUDGETS, EvictionPlan, layer_budgets
@@ -35,6 +35,10 @@ ATTENTION_IMPLS = ("auto", "pallas", "ref")
 AUTO = "auto"  # budget="auto": keep what scores above `threshold` (compress-once policies)
 AUTO_RECENT = 64  # the recent window of budget="auto" when `recent` is not given
 COMPRESS_MODES = ("running", "once")
+# The options of a policy that count tokens or positions (kvzip's pass and lookback,
+# expected attention's future positions, an observation window, a pooling kernel): each
+# sizes a step or an array, so none may pass the model context (`check_context`).
+_POLICY_TOKEN_OPTIONS = ("chunk", "lookback", "n_future", "window", "kernel")
 # The fields that say how a policy compresses, as opposed to the cache's layout and kernels.
 _POLICY_OPTIONS = ("budget", "threshold", "scorer", "allocation", "head_budget", "compress")
 
@@ -336,6 +340,57 @@ class CompressionSpec:
           f"{self.recent_tokens(tokens)} tokens: it needs >= {floor} at group size {group}"
       )
 
+  def check_context(self, max_context: int) -> None:
+    """ValueError unless every size this spec gives fits a model of `max_context` tokens.
+
+    The sizes a user gives (a page, a budget in tokens, the protected sink and recent
+    window, a prefill chunk, a policy's token options) shape the page tables and the pool
+    `plan` makes, so one past the context would size them from the user's number instead
+    of the model's: a budget of 10^8 tokens, gigabytes of pool for an 8-token prompt. None
+    may pass the context: a sequence never holds more tokens. A policy option whose own
+    default passes a tiny model's context (kvzip's 512-token pass, 256 tokens) may go as
+    far as that default. `plan` checks this first; `kvjax.generate` and the CLI check it as
+    soon as the model is known, before any work."""
+    check_int("max_context", max_context)
+
+    def refuse(what: str, value: int, note: str = "") -> None:
+      raise ValueError(
+          f"CompressionSpec: {what}={value} is larger than the model context of "
+          f"{max_context} tokens{note}"
+      )
+
+    sizes = {
+        "budget": self.budget if is_int(self.budget) else None,  # a fraction: of the prompt
+        "page_size": self.page_size,
+        "sink": self.sink,
+        "recent": self.recent,
+        "prefill_chunk": self.prefill_chunk,
+    }
+    for name, value in sizes.items():
+      if value is not None and value > max_context:
+        refuse(name, value)
+    defaults = {f.name: f.default for f in dataclasses.fields(self.policy) if f.init}
+    for name in _POLICY_TOKEN_OPTIONS:
+      value, default = getattr(self.policy, name, None), defaults.get(name)
+      if is_int(value) and is_int(default) and value > max(max_context, default):
+        note = f" and than its default {default}" if default > max_context else ""
+        refuse(f"policy {self.policy.name!r} option {name}", value, note=note)
+
+  def _check_request(
+      self, max_context: int, batch: int, longest: int, reserve: int, protected: int
+  ) -> int:
+    """`plan`'s arguments checked against the model context; the reserve clipped to it."""
+    self.check_context(max_context)
+    check_int("batch", batch)
+    check_int("longest", longest, 0)
+    check_int("reserve", reserve, 0)
+    check_int("protected", protected, 0)
+    if longest > max_context:
+      raise ValueError(
+          f"a prompt of {longest} tokens is longer than the model context {max_context}"
+      )
+    return min(reserve, max_context - longest)
+
   def plan(
       self, shape, *, batch: int, longest: int, reserve: int, protected: int = 0
   ) -> "CachePlan":
@@ -349,7 +404,12 @@ class CompressionSpec:
     one row) than the budget keeps them all, so its sequences are sized for them instead;
     and no sequence is sized beyond the request (`longest + reserve`), so the pool never
     exceeds the full cache's.
+
+    Every size comes from the model's context or from a value bounded by it: the spec's
+    sizes are checked against it (`check_context`), `longest` may not pass it and `reserve`
+    is clipped to it, as `kvjax.prefill` clips it.
     """
+    reserve = self._check_request(shape.max_context, batch, longest, reserve, protected)
     ps = self.page_size
     dtype = self.kv_dtype or shape.dtype
     capacity = capacity_bucket(longest + reserve, ps, shape.max_context)

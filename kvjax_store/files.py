@@ -1,7 +1,13 @@
 """Files written atomically: text and binary files, and small learned artefacts (the learned
 scorer, a tuned head allocation) as a directory of orbax-checkpoint items `params`
 (StandardSave of named arrays) and `meta` (JsonSave): a complete file or directory, or the old
-one. `arrays_digest` is the one digest of named arrays (saved states, converted weights)."""
+one. `arrays_digest` is the one digest of named arrays (saved states, converted weights).
+
+Everything written here is private, whatever the umask: files 0600, directories kvjax creates
+0700 (`write_bytes`, `make_dirs`, `make_private`). A directory of arrays is read by its
+declared shapes first (`stored_arrays`): orbax does not write chunks that hold only zeros, so
+a file of a few kilobytes can declare gigabytes; a reader compares what is declared with what
+it expects before a byte is restored."""
 
 from __future__ import annotations
 
@@ -20,7 +26,12 @@ import numpy as np
 
 __all__ = [
     "arrays_digest",
+    "make_dirs",
+    "make_private",
+    "private_checkpointer",
     "read_params",
+    "shapes_mismatch",
+    "stored_arrays",
     "write_bytes",
     "write_params",
     "write_text",
@@ -39,20 +50,27 @@ def write_params(
   import orbax.checkpoint as ocp
 
   path = pathlib.Path(path).absolute()
-  if path.exists() and not overwrite:
+  if os.path.lexists(path) and not overwrite:  # a link (even a dangling one) counts
     raise FileExistsError(f"{path} exists; choose another directory or overwrite=True")
-  path.parent.mkdir(parents=True, exist_ok=True)
+  make_dirs(path.parent)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-  shutil.rmtree(staging)  # orbax creates the directory itself
+  shutil.rmtree(staging)  # orbax creates the directory itself (0700: `private_checkpointer`)
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with private_checkpointer() as checkpointer:
       checkpointer.save(
           staging,
           ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
       )
+    make_private(staging)  # before it takes its name: never readable by others
     try:
       os.rename(staging, path)  # nothing there (or an empty directory): one step
     except OSError as err:
+      if err.errno == errno.ENOTDIR and overwrite and not _is_real_dir(path):
+        # A link or a file in its place (planted there, perhaps by another user): replaced
+        # by the directory, never followed.
+        path.unlink()
+        os.rename(staging, path)
+        return path
       if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
         raise
       if not overwrite:  # written meanwhile by another process
@@ -63,6 +81,10 @@ def write_params(
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return path
+
+
+def _is_real_dir(path: pathlib.Path) -> bool:
+  return path.is_dir() and not path.is_symlink()
 
 
 def _swap(new: pathlib.Path, path: pathlib.Path) -> None:
@@ -108,11 +130,15 @@ def _renameat2():
     return None
 
 
-def read_params(path: str | os.PathLike, *, what: str, fmt: str) -> tuple[dict, dict]:
+def read_params(path: str | os.PathLike, *, what: str, fmt: str, expected) -> tuple[dict, dict]:
   """(params as numpy arrays, meta) of a directory written by `write_params` whose meta
-  format is `fmt`; ValueError naming the path (and `what` it should be) otherwise. A read
-  that `write_params` replaced the directory under (seen by its identity: device, inode,
-  change time) is repeated, so params and meta always come from one writing."""
+  format is `fmt`; ValueError naming the path (and `what` it should be) otherwise.
+  `expected(meta, declared)` gives the arrays the directory must hold, {name: (shape, dtype
+  name)}, from its meta and what its params declare (`stored_arrays`), or raises ValueError
+  for either; a directory whose params declare anything else is refused before any array
+  is restored. A read that `write_params` replaced the directory under (seen by its
+  identity: device, inode, change time) is repeated, so params and meta always come from
+  one writing."""
   path = pathlib.Path(path).absolute()
   for attempt in range(_READ_ATTEMPTS):
     before = _identity(path)
@@ -120,7 +146,7 @@ def read_params(path: str | os.PathLike, *, what: str, fmt: str) -> tuple[dict, 
       time.sleep(0.02 * (attempt + 1))  # between the two renames of a `_swap` fallback
       continue
     try:
-      result = _read_params_once(path, what, fmt)
+      result = _read_params_once(path, what, fmt, expected)
     except Exception:  # any failure: the directory may have been replaced under the read
       if _identity(path) == before:
         raise
@@ -145,24 +171,119 @@ def _being_replaced(path: pathlib.Path) -> bool:
   return any(path.parent.glob(f".{glob.escape(path.name)}.*"))
 
 
-def _read_params_once(path: pathlib.Path, what: str, fmt: str) -> tuple[dict, dict]:
+def _read_params_once(path: pathlib.Path, what: str, fmt: str, expected) -> tuple[dict, dict]:
   import orbax.checkpoint as ocp
 
   if not (path / "meta").is_dir() or not (path / "params").is_dir():
     raise ValueError(f"{path} is not a {what} (no params/ and meta/ inside)")
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      restored = checkpointer.restore(
-          path,
-          ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
-      )
+      meta = checkpointer.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except (OSError, ValueError, KeyError) as e:
     raise ValueError(f"{path}: cannot read this {what}: {type(e).__name__}: {e}") from None
-  meta, params = restored["meta"], restored["params"]
   if not isinstance(meta, dict) or meta.get("format") != fmt:
     found = meta.get("format") if isinstance(meta, dict) else None
     raise ValueError(f"{path}: unknown {what} format {found!r}, need {fmt!r}")
-  return {k: np.asarray(v) for k, v in params.items()}, meta
+  try:
+    declared = stored_arrays(path, "params")
+  except (OSError, ValueError, KeyError) as e:
+    raise ValueError(f"{path}: cannot read this {what}: {type(e).__name__}: {e}") from None
+  try:
+    want = expected(meta, declared)
+  except (ValueError, TypeError, KeyError) as e:
+    raise ValueError(f"{path}: not a usable {what}: {e}") from None
+  mismatch = shapes_mismatch(declared, want)
+  if mismatch:
+    raise ValueError(f"{path}: not a usable {what}: {mismatch}")
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      params = checkpointer.restore(
+          path, ocp.args.Composite(params=ocp.args.StandardRestore())
+      )["params"]
+  except (OSError, ValueError, KeyError) as e:
+    raise ValueError(f"{path}: cannot read this {what}: {type(e).__name__}: {e}") from None
+  params = {k: np.asarray(v) for k, v in params.items()}
+  mismatch = shapes_mismatch({k: (x.shape, x.dtype.name) for k, x in params.items()}, want)
+  if mismatch:  # changed between the two reads
+    raise ValueError(f"{path}: not a usable {what}: {mismatch}")
+  return params, meta
+
+
+def stored_arrays(path: str | os.PathLike, item: str) -> dict[str, tuple[tuple, str]]:
+  """{name: (shape, dtype name)} of the arrays that orbax item `item` (a StandardSave of
+  named arrays, beside a JsonSave `meta`) of checkpoint `path` declares, read from its
+  metadata: no array is restored. ValueError for an item that is not a flat dict of arrays."""
+  import orbax.checkpoint as ocp
+
+  handlers = {item: ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as checkpointer:
+    tree = checkpointer.metadata(path).item_metadata[item]
+  if tree is None or not callable(getattr(tree, "items", None)):
+    raise ValueError(f"its {item!r} holds no named arrays")
+  out = {}
+  for name, value in tree.items():
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if not isinstance(name, str) or not isinstance(shape, tuple) or dtype is None:
+      raise ValueError(f"its {item!r} holds {str(name)[:40]!r}, which is not an array")
+    out[name] = (tuple(int(n) for n in shape), np.dtype(dtype).name)
+  return out
+
+
+def shapes_mismatch(found: dict, want: dict) -> str | None:
+  """What differs between arrays `found` and `want` ({name: (shape, dtype name)}), in one
+  line naming the first difference; None when they agree."""
+  extra, missing = sorted(set(found) - set(want)), sorted(set(want) - set(found))
+  if extra:
+    shape, dtype = found[extra[0]]
+    return f"unexpected array {extra[0][:40]!r} ({dtype} {shape})"
+  if missing:
+    return f"array {missing[0]!r} is missing"
+  for name in sorted(want):
+    (shape, dtype), (want_shape, want_dtype) = found[name], want[name]
+    if tuple(shape) != tuple(want_shape) or dtype != want_dtype:
+      return f"array {name!r} is {dtype} {tuple(shape)}, expected {want_dtype} {tuple(want_shape)}"
+  return None
+
+
+def private_checkpointer(handler=None):
+  """An orbax Checkpointer (of a CompositeCheckpointHandler by default) that creates the
+  directory it saves to 0700: what it writes inside is out of other users' reach from the
+  start, before `make_private` sets every mode."""
+  import orbax.checkpoint as ocp
+
+  options = ocp.options.FileOptions(path_permission_mode=0o700)
+  return ocp.Checkpointer(handler or ocp.CompositeCheckpointHandler(), file_options=options)
+
+
+def make_private(path: str | os.PathLike) -> None:
+  """Directory `path` and every directory under it 0700, every file 0600 (symbolic links
+  are neither followed nor changed)."""
+  for root, _, names in os.walk(path):  # does not descend into linked directories
+    os.chmod(root, 0o700)
+    for name in names:
+      file = os.path.join(root, name)
+      if not os.path.islink(file):
+        os.chmod(file, 0o600)
+
+
+def make_dirs(path: str | os.PathLike) -> None:
+  """Directory `path` and its missing parents, each one made 0700 whatever the umask (those
+  that exist are left as they are)."""
+  path = pathlib.Path(path)
+  missing = []
+  while not path.is_dir():
+    missing.append(path)
+    if path.parent == path:
+      break
+    path = path.parent
+  for directory in reversed(missing):
+    try:
+      directory.mkdir(mode=0o700)
+    except FileExistsError:
+      if not directory.is_dir():
+        raise
+      continue  # made meanwhile by another process: theirs
+    os.chmod(directory, 0o700)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

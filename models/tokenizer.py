@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from ._template_sandbox import RenderBudget, bounded_sandbox_class
 
 # Split regexes of llama.cpp's `tokenizer.ggml.pre` families (the same as in the HF tokenizer.json).
 _LLAMA3_SPLIT = (
@@ -200,7 +203,10 @@ class Tokenizer:
   def apply_chat_template(
       self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
   ) -> str:
-    """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template."""
+    """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template, in
+    jinja2's immutable sandbox with bounds on what the render may make and take (sizes,
+    steps, time: `models._template_sandbox`); a template over one raises
+    ValueError("chat template: ... exceeds ...")."""
     if self.chat_template is None:
       raise ValueError("apply_chat_template: this tokenizer has no chat template")
     for i, m in enumerate(messages):
@@ -214,25 +220,37 @@ class Tokenizer:
             f"'role' and 'content', got {m!r}"
         )
     try:
-      import jinja2.sandbox
+      import jinja2.sandbox  # noqa: F401
     except ImportError:
       return self._chatml_fallback(messages, add_generation_prompt)
 
     def raise_exception(msg):
       raise ValueError(f"chat template: {msg}")
 
-    # Same environment settings as transformers, so templates render identically.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    special = lambda i: None if i is None else self.tok.id_to_token(i)  # noqa: E731
+    bos, eos = special(self.bos_id) or "", special(self.eos_ids[0] if self.eos_ids else None) or ""
+    input_chars = len(bos) + len(eos) + sum(len(m["role"]) + len(m["content"]) for m in messages)
+    # Same environment settings as transformers, so templates render identically; every
+    # step of the render is charged to one budget (the template is the model's, not ours).
+    env = bounded_sandbox_class()(
+        RenderBudget(input_chars, len(messages)),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols"],
     )
     env.globals["raise_exception"] = raise_exception
-    special = lambda i: None if i is None else self.tok.id_to_token(i)  # noqa: E731
-    return env.from_string(self.chat_template).render(
-        messages=[dict(m) for m in messages],
-        add_generation_prompt=add_generation_prompt,
-        bos_token=special(self.bos_id) or "",
-        eos_token=special(self.eos_ids[0] if self.eos_ids else None) or "",
-    )
+    try:
+      return env.compile_bounded(self.chat_template).render(
+          messages=[dict(m) for m in messages],
+          add_generation_prompt=add_generation_prompt,
+          bos_token=bos,
+          eos_token=eos,
+      )
+    except RecursionError:  # a macro calling itself, or a template nested too deep to parse
+      raise ValueError(
+          f"chat template: its recursion exceeds Python's limit of {sys.getrecursionlimit()} "
+          "frames"
+      ) from None
 
   def _chatml_fallback(self, messages, add_generation_prompt: bool) -> str:
     if "<|im_start|>" not in self.chat_template:

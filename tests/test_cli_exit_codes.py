@@ -73,22 +73,23 @@ def test_a_full_disk_while_saving_a_prefilled_state_exits_1(tiny, tmp_path, caps
   assert line.startswith("kvjax prefill: failed: OSError: [Errno 28] No space left on device")
 
 
-def test_a_state_damaged_after_the_model_loaded_exits_1(tiny, tmp_path, capsys):
+def test_a_damaged_state_is_refused_before_the_model_loads(tiny, tmp_path, capsys):
   context = tmp_path / "context.txt"
   context.write_text("My name is Ada and my cat is called Pixel. " * 2)
   save = tmp_path / "state"
   argv = ["prefill", "--context", str(context), "--save", str(save), "--no-chat", "--quiet"]
   assert cli.main(argv) == 0
   capsys.readouterr()
-  code, line = _main(capsys, "ask", str(tmp_path / "none"), "Who?")  # before the model
+  code, line = _main(capsys, "ask", str(tmp_path / "none"), "Who?")
   assert code == 2 and "no saved kvjax state there" in line
-  # Its metadata reads (kvjax.state_info passes), its arrays are cut in half.
+  # Its arrays cut in half: `state_info` checks them (digest and structure) as `load_state`
+  # does, so `ask` refuses the state as a usage error, before loading the model.
   files = [f for f in save.rglob("*") if f.is_file() and "arrays" in f.parts]
   largest = max(files, key=lambda f: f.stat().st_size)
   largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
   code, line = _main(capsys, "ask", str(save), "Who?", "--max-new-tokens", "2")
-  assert code == 1, line
-  assert line.startswith("kvjax ask: failed: StateFileError: ")
+  assert code == 2, line
+  assert line.startswith("kvjax ask: error: ") and "damaged" in line, line
 
 
 def test_eval_refuses_lengths_past_the_model_and_fails_when_results_cannot_be_saved(

@@ -105,6 +105,9 @@ PUBLIC_MODULES = {
     "kvjax.testing",
     "kvjax.seam",
     "kvjax.sharding",
+    # Shared infrastructure, in the API reference (docs/reference/kvjax_store.md).
+    "kvjax_store.cache_dir",
+    "kvjax_store.files",
     "models",
     "models.registry",
     "pallas_kernels",

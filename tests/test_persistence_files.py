@@ -16,6 +16,7 @@ from kvjax_store import files as _files
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 FMT = "kvjax-test-params/1"
+SHAPES = {"x": ((2048,), "float32"), "y": ((4, 4), "int32")}  # what `_write` writes
 
 
 def _write(path, i: int, **kwargs):
@@ -25,7 +26,9 @@ def _write(path, i: int, **kwargs):
 
 def _read(path) -> int:
   """Which writing `path` holds; AssertionError if its parts come from two."""
-  params, meta = _files.read_params(path, what="test artefact", fmt=FMT)
+  params, meta = _files.read_params(
+      path, what="test artefact", fmt=FMT, expected=lambda meta, declared: SHAPES
+  )
   i = meta["i"]
   assert (params["x"] == i).all() and (params["y"] == i).all(), (i, params["x"][:3])
   return i
@@ -149,3 +152,92 @@ def test_a_directory_written_meanwhile_is_not_replaced_without_overwrite(tmp_pat
     _write(path, 1, overwrite=False)
   monkeypatch.undo()
   assert _read(path) == 7 and sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def _resave(path, params):
+  """Directory `path` rewritten by orbax with `params` (its meta kept): a hand-made one."""
+  import orbax.checkpoint as ocp
+
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    meta = checkpointer.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  shutil.rmtree(path)
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(
+        path,
+        ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
+    )
+
+
+def test_a_directory_declaring_other_arrays_is_refused_before_any_is_restored(
+    tmp_path, monkeypatch
+):
+  """An array more (zeros: orbax writes no chunk of them, so a few KB on disk can declare
+  gigabytes), a larger one, another dtype, one missing: refused from orbax's metadata,
+  naming the array, before any array is restored."""
+  import orbax.checkpoint as ocp
+
+  good = {"x": np.full(2048, 1, np.float32), "y": np.full((4, 4), 1, np.int32)}
+  cases = {
+      "more": ({**good, "junk": np.zeros(2**20, np.float32)}, "unexpected array 'junk'"),
+      "larger": ({**good, "x": np.zeros(4096, np.float32)}, r"array 'x' is float32 \(4096,\)"),
+      "dtype": ({**good, "y": good["y"].astype(np.int64)}, "array 'y' is int64"),
+      "missing": ({"x": good["x"]}, "array 'y' is missing"),
+  }
+  for name, (params, _) in cases.items():
+    _write(tmp_path / name, 1, overwrite=False)
+    _resave(tmp_path / name, params)
+  restored = []
+  restore = ocp.Checkpointer.restore
+
+  def spy(checkpointer, directory, args=None, *rest, **kwargs):
+    restored.extend(k for k in (args.keys() if args is not None else ()) if k != "meta")
+    return restore(checkpointer, directory, args, *rest, **kwargs)
+
+  monkeypatch.setattr(ocp.Checkpointer, "restore", spy)
+  for name, (_, message) in cases.items():
+    with pytest.raises(ValueError, match=message):
+      _read(tmp_path / name)
+  assert restored == []  # refused from the metadata alone
+  _write(tmp_path / "good", 3, overwrite=False)
+  assert _read(tmp_path / "good") == 3 and restored == ["params"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_a_written_directory_is_private_whatever_the_umask(tmp_path, umask):
+  """Files 0600 and directories 0700, the parents `write_params` makes included, under
+  umask 022 (before: 0644 and 0755) and 000; an overwrite keeps the rule."""
+  old = os.umask(umask)
+  try:
+    path = _write(tmp_path / "made" / "p", 0, overwrite=False)
+    _write(path, 1, overwrite=True)
+  finally:
+    os.umask(old)
+  modes = {
+      str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+      for p in [tmp_path / "made", *(tmp_path / "made").rglob("*")]
+  }
+  loose = {p: m for p, m in modes.items() if m != ("0o700" if (tmp_path / p).is_dir() else "0o600")}
+  assert not loose, loose
+  assert _read(path) == 1
+
+
+@pytest.mark.parametrize("planted", ["link to a directory", "dangling link", "file"])
+def test_a_link_or_file_planted_at_the_path_is_replaced_never_followed(tmp_path, planted):
+  """A shared output directory may hold a link someone else planted where a directory of
+  parameters goes (`kvjax tune`'s `allocation/`): without overwrite it is refused, with
+  overwrite it is replaced by the directory, and what it pointed at is left alone."""
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "theirs").write_text("not kvjax's\n")
+  path = tmp_path / "out" / "allocation"
+  path.parent.mkdir()
+  if planted == "file":
+    path.write_text("a file\n")
+  else:
+    path.symlink_to(outside if planted == "link to a directory" else tmp_path / "nowhere")
+  with pytest.raises(FileExistsError, match="overwrite=True"):
+    _write(path, 1, overwrite=False)
+  _write(path, 2, overwrite=True)
+  assert path.is_dir() and not path.is_symlink() and _read(path) == 2
+  assert sorted(p.name for p in outside.iterdir()) == ["theirs"]
+  assert (outside / "theirs").read_text() == "not kvjax's\n"

@@ -50,6 +50,20 @@ def add_model_flag(parser, help_text: str = "registry name, .gguf or HF dir") ->
   parser.add_argument("--model", default=DEFAULT_MODEL, help=help_text)
 
 
+def model_source(name: str) -> str:
+  """How a later process, in any directory, names the model `name` names here: a registry
+  name as it is (the registry finds its file), a path made absolute. ValueError (or
+  FileNotFoundError) for a name the registry does not know, before anything loads."""
+  import os
+
+  from models.registry import known_models, resolve_model
+
+  source = resolve_model(name)
+  if os.fspath(name).lower() in known_models():
+    return os.fspath(name).lower()
+  return str(source.path.resolve())
+
+
 def load_model(name: str):
   """The model and tokenizer; an unknown name or a missing file fails before "loading"."""
   import jax

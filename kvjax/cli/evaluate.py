@@ -154,7 +154,7 @@ def _evaluate(args) -> int:
   if args.threshold is not None and "auto" not in budgets:
     raise ValueError(f"--threshold {args.threshold} applies only with --budget auto")
   allocation = _sweep.sweep_allocation(spec, args.allocation, policies)
-  _sweep.configuration_specs(  # every configuration, checked
+  configurations, _ = _sweep.configuration_specs(  # every configuration, checked
       spec,
       policies,
       budgets,
@@ -169,6 +169,8 @@ def _evaluate(args) -> int:
   records, text, data = _eval_data(args, task, options)
   model, tokenizer = common.load_model(args.model)
   check_spec_model(args, model)
+  for configuration in configurations.values():  # sizes within the model context
+    configuration.check_context(model.config.max_context)
   if args.allocation is not None:  # a tuned spec's is checked with the spec
     allocation.check_model(model)
 

@@ -104,11 +104,15 @@ def _generate(args) -> int:
 
   import kvjax
 
-  # The whole command line is checked before the model loads.
+  from kvjax.runtime.sampling import check_seed
+
+  # The whole command line is checked before the model loads; the sizes the model bounds
+  # (its context) once it has loaded, before the work.
   spec = spec_from_args(args)
   sampling = from_args(kvjax.Sampling, args)
   if args.max_new_tokens < 1:
     raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  check_seed(args.seed, "--seed")
   mesh = kvjax.sharding.make_mesh(args.mesh)
   prompt = _read_prompt(args)
   if not prompt.strip():

@@ -109,15 +109,20 @@ def spec_from_args(args, sweep: bool = False):
   return tuned.replace(**given)
 
 
-def check_spec_model(args, model, spec=None) -> None:
-  """A tuned spec (`--spec`) must have been tuned for the model it runs with; `spec`'s
-  policy (a learned scorer) and allocation must fit it too (checked here, before the work
-  begins, as a usage error: `kvjax.prefill` checks them too, once it runs)."""
+def check_spec_model(args, model, *specs) -> None:
+  """A tuned spec (`--spec`) must have been tuned for the model it runs with; each of
+  `specs` must fit it too: its policy (a learned scorer), its allocation, and every size it
+  gives within the model context (checked here, before the work begins, as a usage error:
+  `kvjax.prefill` checks them too, once it runs)."""
+  from kvjax.seam import ModelShape
+
   if getattr(args, "spec", None) is not None:
     from kvjax.tuning import load_spec
 
     load_spec(args.spec, model)
-  if spec is not None:
+  max_context = ModelShape.of(model).max_context
+  for spec in specs:
+    spec.check_context(max_context)
     spec.policy.check_model(model)
     if spec.allocation is not None:
       spec.allocation.check_model(model)

@@ -29,7 +29,11 @@ def _add_prefill_parser(subparsers) -> None:
   common.add_model_flag(keep)
   add_dataclass_flags(keep, CompressionSpec, title="compression (kvjax.CompressionSpec)")
   keep.add_argument(
-      "--reserve", type=int, default=256, help="room kept for a question and its answer (tokens)"
+      "--reserve",
+      type=int,
+      default=256,
+      help="room kept for a question and its answer (tokens; at most what the model context "
+      "leaves after the context)",
   )
   keep.add_argument(
       "--chat",
@@ -49,7 +53,10 @@ def _add_ask_parser(subparsers) -> None:
   ask.add_argument("question", nargs="?", default=None, help="the question")
   ask.add_argument("--jsonl", default=None, help='JSONL file of {"question": ...} lines')
   ask.add_argument(
-      "--model", default=None, help="registry name, .gguf or HF dir (default: the one saved)"
+      "--model",
+      default=None,
+      help="registry name, .gguf or HF dir (default: the one kvjax prefill recorded); it must "
+      "have the weights the state was saved with",
   )
   ask.add_argument("--max-new-tokens", type=int, default=64, help="answer tokens at most")
   ask.add_argument("--json", action="store_true", help="one JSON object per question, with timings")
@@ -65,9 +72,14 @@ def _prefill_and_save(args) -> int:
   import kvjax
   from kvjax.eval import _data, context_prompt
 
+  from kvjax.runtime.sampling import check_seed
+
   spec = spec_from_args(args)
   if args.reserve < 0:
     raise ValueError(f"--reserve must be >= 0, got {args.reserve}")
+  check_seed(args.seed, "--seed")
+  # What `kvjax ask` loads by default, from any directory (an unknown name fails here).
+  source = common.model_source(args.model)
   save = pathlib.Path(args.save)
   if (save / kvjax.persistence.CURRENT).exists() and not args.overwrite:
     raise ValueError(f"--save {save} holds a saved state; pass --overwrite to replace it")
@@ -104,7 +116,7 @@ def _prefill_and_save(args) -> int:
       model,
       tokenizer=tokenizer,
       tokens=[tokens],
-      info={"model": args.model, "chat": args.chat, "context": str(args.context)},
+      info={"model": source, "chat": args.chat, "context": str(args.context)},
       overwrite=args.overwrite,
   )
   stats = {
@@ -153,9 +165,17 @@ def _ask(args) -> int:
       raise ValueError(f"a question must be non-empty text, got {q!r}")
   info = kvjax.state_info(args.state)  # a bad directory fails before the model loads
   saved = info.get("info") or {}
+  name = args.model or _recorded_model(args.state, saved)
   start = time.perf_counter()
-  model, tokenizer = common.load_model(args.model or saved.get("model") or DEFAULT_MODEL)
+  model, tokenizer = common.load_model(name)
   model_seconds = time.perf_counter() - start
+  _check_weights(args.state, info, model, name)
+  furthest = max(info["position"]) + args.max_new_tokens
+  if furthest > model.config.max_context:
+    raise ValueError(
+        f"--max-new-tokens {args.max_new_tokens} after the state's {max(info['position'])} "
+        f"tokens passes the model context {model.config.max_context}"
+    )
   common.begin_work(args)  # the state's arrays are read from here: a damaged one is a failure
   start = time.perf_counter()
   state = kvjax.load_state(args.state, model, tokenizer=tokenizer)
@@ -180,3 +200,38 @@ def _ask(args) -> int:
       print(text, flush=True)
     print(f"[answered in {seconds:.2f} s]", file=sys.stderr)
   return 0
+
+
+def _recorded_model(path, saved: dict) -> str:
+  """The model `kvjax prefill` recorded in the state's info (a registry name or an
+  absolute path: `common.model_source`), or the default model where none was recorded;
+  ValueError, before anything loads, when it names nothing here (a state saved by an older
+  kvjax with a relative path, a checkpoint moved since)."""
+  recorded = saved.get("model")
+  if recorded is None:
+    return DEFAULT_MODEL
+  if not isinstance(recorded, str):
+    raise ValueError(f"{path}: the recorded model {recorded!r} is not a name; pass --model")
+  try:
+    common.model_source(recorded)
+  except (ValueError, OSError) as err:
+    raise ValueError(
+        f"{path} was prefilled with model {recorded!r}, not found from here ({err}); pass "
+        "--model"
+    ) from None
+  return recorded
+
+
+def _check_weights(path, info: dict, model, name: str) -> None:
+  """ValueError, before the state's arrays are read, when `model` lacks the weights the
+  state was saved with (`kvjax.load_state` checks the same, as a damaged state's failure)."""
+  from kvjax.fingerprint import model_fingerprint
+
+  saved = info.get("model") or {}
+  fingerprint = model_fingerprint(model)
+  if saved.get("fingerprint") != fingerprint:
+    raise ValueError(
+        f"{path} was saved for model {saved.get('name')!r} with weights "
+        f"{str(saved.get('fingerprint'))[:12]}; the model {name!r} has other weights "
+        f"({fingerprint[:12]}): pass the one it was saved with as --model"
+    )

@@ -94,6 +94,9 @@ def _train_scorer(args) -> int:
   )
   if args.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {args.steps}")
+  from kvjax.runtime.sampling import check_seed
+
+  check_seed(args.seed, "--seed")
   text = _data.read_text(args.text) if args.text else _data.default_text()
   model, tokenizer = common.load_model(args.model)
   training.check_options(

@@ -4,6 +4,7 @@ docs/eval.md and checked by `validate`), Markdown tables and PNG plots."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import pathlib
 import platform
@@ -273,11 +274,18 @@ def _by_policy(rows, x: str, with_budget: bool = False) -> dict[str, list[dict]]
 
 
 def _save(fig, path: pathlib.Path) -> pathlib.Path:
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  """`fig` as a PNG at `path`, written atomically like every file of the results (a
+  temporary beside it, renamed over it: a symlink planted at `path` is replaced, never
+  followed)."""
   import matplotlib.pyplot as plt
 
-  plt.close(fig)
+  try:
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+  finally:
+    plt.close(fig)
+  _files.write_bytes(path, png.getvalue())
   return path
 
 

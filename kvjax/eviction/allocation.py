@@ -34,6 +34,9 @@ from kvjax.fingerprint import model_fingerprint
 
 FORMAT = "kvjax-head-allocation/1"
 LOG_FLOOR = 1e-12  # scores at or below it rank equally (kvzip's max attention can be ~0)
+# The most layers, and kv heads per layer, an allocation directory may hold: what a load
+# allocates for a directory of a few kilobytes stays bounded (orbax writes no chunk of zeros).
+MAX_LAYERS = MAX_KV_HEADS = 1024
 
 
 def transform(scores, log_scores: bool, scale: float):
@@ -127,9 +130,24 @@ class HeadAllocation:
     return _load(str(path), meta_file.stat().st_mtime_ns if meta_file.exists() else 0)
 
 
+def _offsets_array(meta: dict, declared: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+  """The one array an allocation directory holds: offsets [L, H] float32, L and H within
+  the caps above (its meta does not record the shape: `check_model` compares it with the
+  model's once loaded)."""
+  shape = declared.get("offsets", ((),))[0]
+  if len(shape) != 2 or not (1 <= shape[0] <= MAX_LAYERS and 1 <= shape[1] <= MAX_KV_HEADS):
+    raise ValueError(
+        f"offsets must be [layers, kv heads] of at most [{MAX_LAYERS}, {MAX_KV_HEADS}], got "
+        f"{shape}"
+    )
+  return {"offsets": (shape, "float32")}
+
+
 @functools.lru_cache(maxsize=32)
 def _load(path: str, mtime: int) -> HeadAllocation:
-  params, meta = _files.read_params(path, what="kvjax head allocation", fmt=FORMAT)
+  params, meta = _files.read_params(
+      path, what="kvjax head allocation", fmt=FORMAT, expected=_offsets_array
+  )
   try:
     return HeadAllocation(
         offsets=params["offsets"],

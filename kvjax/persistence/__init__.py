@@ -24,9 +24,14 @@ A save keeps the version CURRENT named before it (a reader may be reading it) an
 older ones; a reader whose version was removed under it (two saves during one read) reads
 CURRENT again and retries. A process killed while saving leaves CURRENT naming the previous
 complete version (or no CURRENT at all for a first save: nothing loads); the next save clears
-what it left. A load checks the digest, the format, the model, its dtype and the tokenizer
-before any array reaches the device: a corrupted or foreign checkpoint is a `ValueError`,
-never a state.
+what it left. A load checks the format, the model, its dtype and the tokenizer, then the
+arrays the checkpoint declares against what its metadata implies (before any is read), the
+digest, and the page table (`_checks`), before any array reaches the device: a corrupted,
+foreign or edited checkpoint is a `StateFileError` (a `ValueError`), never a state.
+`state_info` runs the same checks but those that need the model. The digest catches
+accidents, not an attacker (anyone can recompute a SHA-256 after an edit): the structural
+checks are what refuse an edited state. Everything a save writes is private (files 0600,
+directories 0700), and no link in a state directory is followed.
 """
 
 from kvjax.persistence._directory import CURRENT, current_version

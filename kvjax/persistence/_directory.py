@@ -5,10 +5,12 @@ take, and reads that follow CURRENT while saves replace it (the layout is in
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
 import re
 import shutil
+import stat
 
 from kvjax.persistence._format import StateFileError
 
@@ -30,6 +32,7 @@ _OURS = re.compile(
 # Reads of a directory that saves keep replacing: each retry follows CURRENT to a newer
 # version, and a version is only removed after two later saves completed.
 READ_ATTEMPTS = 5
+_NAME_BYTES = 64  # what is read of CURRENT: a version's name ("v12\n")
 
 
 def check_target(path: pathlib.Path, overwrite: bool) -> None:
@@ -37,6 +40,12 @@ def check_target(path: pathlib.Path, overwrite: bool) -> None:
     return
   if not path.is_dir():
     raise FileExistsError(f"{path} exists and is not a directory")
+  for name in (CURRENT, LOCK):
+    if (path / name).is_symlink():  # a save writes these: never through a link
+      raise FileExistsError(
+          f"{path / name} is a symbolic link; a state directory's {name} is a plain file "
+          "(remove the link)"
+      )
   if (path / CURRENT).exists():
     if not overwrite:
       raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
@@ -45,11 +54,23 @@ def check_target(path: pathlib.Path, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def locked(path: pathlib.Path):
-  """Holds an exclusive `flock` on `path/.lock` (created once, never removed: removing it
-  would let two processes lock two different files). The kernel releases it when the
-  process dies, so a killed save never blocks the next one."""
-  fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  """Holds an exclusive `flock` on `path/.lock` (created once, 0600, never removed: removing
+  it would let two processes lock two different files). The kernel releases it when the
+  process dies, so a killed save never blocks the next one. A `.lock` that is a symbolic
+  link is refused, never followed (O_NOFOLLOW): it would create or lock a file elsewhere."""
+  nofollow = getattr(os, "O_NOFOLLOW", 0)
   try:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | nofollow, 0o600)
+  except OSError as err:
+    if err.errno != errno.ELOOP:
+      raise
+    raise FileExistsError(
+        f"{path / LOCK} is a symbolic link; a state directory's lock is a plain file "
+        "(remove the link)"
+    ) from None
+  try:
+    with contextlib.suppress(OSError):  # one an older kvjax made 0644; another user's: theirs
+      os.fchmod(fd, 0o600)
     if fcntl is not None:
       fcntl.flock(fd, fcntl.LOCK_EX)
     yield
@@ -73,7 +94,7 @@ def remove_stale(path: pathlib.Path, keep: set) -> None:
   Called under the lock: no other save has temporaries in flight."""
   for p in path.iterdir():
     if p.name not in (CURRENT, LOCK) and p.name not in keep and is_ours(p.name):
-      if p.is_dir():
+      if p.is_dir() and not p.is_symlink():  # a link is removed, never what it names
         shutil.rmtree(p, ignore_errors=True)
       else:
         p.unlink(missing_ok=True)
@@ -105,21 +126,67 @@ def read_pointer(path: pathlib.Path) -> str:
   if not path.is_dir():
     raise StateFileError(f"{path}: no saved kvjax state there (not a directory)")
   try:
-    return (path / CURRENT).read_text().strip()
-  except (OSError, UnicodeDecodeError):
+    return _read_name(path)
+  except PermissionError:
+    raise StateFileError(
+        f"{path}: permission denied reading its {CURRENT} file (a saved state is private to "
+        "the user who saved it: files 0600, directories 0700)"
+    ) from None
+  except OSError as err:
+    if err.errno in (errno.ELOOP, errno.EINVAL):  # a link; a FIFO, a device, a directory
+      kind = "a symbolic link" if err.errno == errno.ELOOP else "not a regular file"
+      raise StateFileError(f"{path}: its {CURRENT} is {kind}; a save writes a plain file") from None
     raise StateFileError(
         f"{path}: not a saved kvjax state (no readable {CURRENT} file; an interrupted first "
         "save leaves none)"
     ) from None
+  except UnicodeDecodeError:
+    raise StateFileError(f"{path}: its {CURRENT} file does not name a version") from None
 
 def current_name(path: pathlib.Path) -> str | None:
   """What CURRENT holds (stripped), or None where it cannot be read."""
   try:
-    return (path / CURRENT).read_text().strip()
+    return _read_name(path)
   except (OSError, UnicodeDecodeError):
     return None
 
+def _read_name(path: pathlib.Path) -> str:
+  """CURRENT's text: a regular file (a link is not followed, a FIFO not waited on), of which
+  at most `_NAME_BYTES` are read."""
+  flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+  fd = os.open(path / CURRENT, flags)
+  try:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      raise OSError(errno.EINVAL, f"{CURRENT} is not a regular file")
+    return os.read(fd, _NAME_BYTES).decode().strip()
+  finally:
+    os.close(fd)
+
+def _raise(err: OSError):
+  raise err
+
 def version_dir(path: pathlib.Path, name: str) -> pathlib.Path:
-  if not _VERSION.fullmatch(name) or not (path / name).is_dir():
+  """The version `name` of state directory `path`: a directory inside it of directories and
+  regular files, neither a link nor holding one (a save writes none; a link would read a
+  state from elsewhere, a FIFO or a device would block or never end a read)."""
+  version = path / name
+  if not _VERSION.fullmatch(name) or not version.is_dir():
     raise StateFileError(f"{path}: {CURRENT} names {name[:40]!r}, which is not a saved version")
-  return path / name
+  if version.is_symlink() or version.resolve().parent != path.resolve():
+    raise StateFileError(
+        f"{path}: its version {name} is a symbolic link (to {os.path.realpath(version)}); a "
+        "saved version is a directory inside the state"
+    )
+  try:
+    for root, dirs, names in os.walk(version, onerror=_raise):
+      for entry in dirs + names:
+        mode = os.lstat(os.path.join(root, entry)).st_mode
+        if not (stat.S_ISDIR(mode) if entry in dirs else stat.S_ISREG(mode)):
+          what = "a symbolic link" if stat.S_ISLNK(mode) else "a special file"
+          raise StateFileError(
+              f"{path}: its version {name} holds {what} "
+              f"({os.path.relpath(os.path.join(root, entry), path)}); a save writes none"
+          )
+  except PermissionError:
+    raise StateFileError(f"{path}: permission denied reading its version {name}") from None
+  return version

@@ -28,8 +28,9 @@ FORMAT = "kvjax-state/1"
 
 
 class StateFileError(ValueError):
-  """A state directory that cannot be loaded: missing, corrupted, or saved for another
-  model, dtype, tokenizer or kvjax format. The message names the mismatch."""
+  """A state directory that cannot be loaded: missing, unreadable, corrupted, edited into
+  something a save does not write, or saved for another model, dtype, tokenizer or kvjax
+  format. The message names the mismatch (the field, for an edited state)."""
 
 def tokenizer_fingerprint(tokenizer) -> str:
   """A digest of how a tokenizer maps text to ids: its serialised form when it has one (a

@@ -1,6 +1,7 @@
 """`load_state` and `state_info`: the version CURRENT names, checked against the model (and
-tokenizer, dtype, format, digest) before any array reaches the device, then rebuilt into a
-`State` with the shapes it was saved with."""
+tokenizer, dtype, format), its array sizes against its metadata before any is restored, its
+digest and its page table after (`_checks`), then rebuilt into a `State` with the shapes it
+was saved with."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import pages
-from kvjax.cache.config import CacheConfig
-from kvjax.cache.paged_cache import PagedKVCache, Slot
+from kvjax.cache.paged_cache import PagedKVCache
 from kvjax.eviction.budgets import EvictionPlan
 from kvjax.fingerprint import model_fingerprint
+from kvjax.persistence import _checks
 from kvjax.persistence._directory import read_current
 from kvjax.persistence._format import (
     FORMAT,
@@ -29,15 +30,25 @@ from kvjax.persistence._format import (
     tokenizer_fingerprint,
 )
 from kvjax.runtime.state import State
-from kvjax.seam import ModelShape
-from kvjax.spec import CachePlan
+from kvjax.seam import ModelShape, query_heads
+from kvjax.spec import CachePlan, CompressionSpec
+from kvjax_store import files
 from pallas_kernels import page_format
 
 
 def state_info(path: str | os.PathLike) -> dict:
-  """The metadata of a saved state (model, spec, tokens, sizes, your `info`), read without
-  its arrays; StateFileError when `path` holds no readable state."""
-  return read_current(pathlib.Path(path).absolute(), read_meta)
+  """The metadata of a saved state (model, spec, tokens, sizes, your `info`), after the
+  checks that need no model: its fields and array sizes (`_checks`, before any array is
+  read), its digest and its page table; StateFileError when `path` holds no state that
+  passes them (as `load_state` would refuse it)."""
+
+  def read(version: pathlib.Path) -> dict:
+    meta = read_meta(version)
+    layout = _checks.layout(meta, version, _checks.recorded_shape(meta, version))
+    read_arrays(version, meta, layout, lambda declared: _checks.bounded_extra(layout, declared))
+    return meta
+
+  return read_current(pathlib.Path(path).absolute(), read)
 
 def load_state(
     path: str | os.PathLike, model, *, tokenizer=None, kv_dtype: str | None = None
@@ -48,8 +59,10 @@ def load_state(
 
   Raises StateFileError (a ValueError) naming what is wrong: no state there, a corrupted or
   truncated checkpoint (the digest does not match), another kvjax format, another model,
-  another dtype, another K/V dtype than `kv_dtype` or another tokenizer. Nothing reaches
-  the device before every check passed.
+  another dtype, another K/V dtype than `kv_dtype` or another tokenizer, or a field, an
+  array or a page table that is not what a save writes (`_checks`). No array is restored
+  before its size is checked against the metadata, and nothing reaches the device before
+  every check passed.
   """
   ModelShape.of(model)  # a wrong argument is a TypeError, not a damaged state
   if kv_dtype is not None:
@@ -58,20 +71,16 @@ def load_state(
   def read(version: pathlib.Path) -> State:
     meta = read_meta(version)
     check_compatible(meta, model, tokenizer, version)
-    saved_dtype = get(get(meta, "cache"), "kv_dtype")
-    if kv_dtype is not None and saved_dtype != kv_dtype:
+    layout = _checks.layout(meta, version, dataclasses.asdict(ModelShape.of(model)))
+    if kv_dtype is not None and layout.kv_dtype != kv_dtype:
       raise StateFileError(
-          f"{version}: its K/V pages are {saved_dtype}, not kv_dtype={kv_dtype!r}; a state "
+          f"{version}: its K/V pages are {layout.kv_dtype}, not kv_dtype={kv_dtype!r}; a state "
           "keeps the dtype it was saved with (prefill again to store it as another)"
       )
-    arrays = read_arrays(version, meta)
-    if digest(meta, arrays) != meta.get("digest"):
-      raise StateFileError(
-          f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
-          "contents); save the state again"
-      )
+    spec = saved_spec(meta, version)
+    arrays = read_arrays(version, meta, layout, lambda _: extra_shapes(spec, model, layout))
     try:
-      return rebuild(meta, arrays, version)
+      return rebuild(meta, arrays, layout, spec)
     except StateFileError:
       raise
     except (KeyError, TypeError, ValueError) as err:
@@ -131,38 +140,87 @@ def check_compatible(meta: dict, model, tokenizer, version: pathlib.Path) -> Non
   except (KeyError, TypeError) as err:
     raise StateFileError(f"{version}: incomplete metadata ({short(err)})") from None
 
-def read_arrays(version: pathlib.Path, meta: dict) -> dict[str, np.ndarray]:
+def read_arrays(version: pathlib.Path, meta: dict, layout, extra) -> dict[str, np.ndarray]:
+  """The arrays of a version whose metadata is `layout`, checked in three steps: what the
+  checkpoint declares (names, shapes, dtypes, from orbax's metadata) against what `layout`
+  implies (`extra(declared)`: the shapes of the policy's state beside the cache) before any
+  is restored; the digest; the values (`_checks.check_values`)."""
   import orbax.checkpoint as ocp
 
   try:
+    declared = files.stored_arrays(version, "arrays")
+  except Exception as err:  # noqa: BLE001 - orbax's many failure types, one message
+    raise StateFileError(
+        f"{version}: unreadable arrays, the checkpoint is damaged ({short(err)})"
+    ) from None
+  want = layout.arrays(extra(declared))
+  mismatch = files.shapes_mismatch(declared, want)
+  if mismatch:
+    raise StateFileError(f"{version}: {mismatch}, for the state its metadata describes")
+  try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      arrays = checkpointer.restore(version, ocp.args.Composite(arrays=ocp.args.StandardRestore()))[
-          "arrays"
-      ]
-    return {name: np.asarray(x) for name, x in arrays.items()}
+      restored = checkpointer.restore(
+          version, ocp.args.Composite(arrays=ocp.args.StandardRestore())
+      )["arrays"]
+    arrays = {name: np.asarray(x) for name, x in restored.items()}
   except Exception as err:  # noqa: BLE001 - truncated or missing files, one message
     raise StateFileError(
         f"{version}: unreadable arrays, the checkpoint is damaged ({short(err)})"
     ) from None
+  mismatch = files.shapes_mismatch({k: (x.shape, x.dtype.name) for k, x in arrays.items()}, want)
+  if mismatch:  # changed on disk since its metadata was read
+    raise StateFileError(f"{version}: {mismatch}, for the state its metadata describes")
+  if digest(meta, arrays) != meta.get("digest"):
+    raise StateFileError(
+        f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
+        "contents); save the state again"
+    )
+  _checks.check_values(layout, arrays)
+  return arrays
 
-def rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) -> State:
-  """The State of checked metadata and arrays: the pool of the saved size, its live pages
-  first (ids 1..n), the rest free, so the state has the shapes it was saved with and runs
-  the same compiled steps."""
+def saved_spec(meta: dict, version: pathlib.Path) -> CompressionSpec:
   try:
-    spec = spec_from_dict(meta["spec"])
-  except (ValueError, TypeError, OSError) as err:
+    return spec_from_dict(meta["spec"])
+  except (KeyError, ValueError, TypeError, OSError) as err:
     raise StateFileError(
         f"{version}: its CompressionSpec does not load here ({short(err)})"
     ) from None
-  saved_plan, saved_cache = meta["plan"], meta["cache"]
-  config = CacheConfig(**saved_plan["config"])
+
+def extra_shapes(spec: CompressionSpec, model, layout) -> dict:
+  """The shapes of the policy's state beside the cache that a state of `layout` holds: none
+  once its context is compressed (`pool.compress` drops it), else what the policy makes
+  for this model (its query heads from one abstract call)."""
+  if not layout.extra:
+    return {}
+  policy = spec.policy
+  if not policy.keeps_extra:
+    raise StateFileError(
+        f"{layout.version}: cache.extra names {list(layout.extra)}, which policy "
+        f"{policy.name!r} does not keep"
+    )
+  made = jax.eval_shape(
+      lambda: policy.init_extra(
+          layout.layers, layout.batch, layout.kv_heads, query_heads(model), layout.head_dim
+      )
+  )
+  if sorted(made) != list(layout.extra):
+    raise StateFileError(
+        f"{layout.version}: cache.extra names {list(layout.extra)}; policy {policy.name!r} "
+        f"keeps {sorted(made)}"
+    )
+  return {name: (tuple(x.shape), np.dtype(x.dtype).name) for name, x in made.items()}
+
+def rebuild(meta: dict, arrays: dict[str, np.ndarray], layout, spec: CompressionSpec) -> State:
+  """The State of checked metadata and arrays: the pool of the saved size, its live pages
+  first (ids 1..n), the rest free, so the state has the shapes it was saved with and runs
+  the same compiled steps."""
+  version, saved_plan, config = layout.version, meta["plan"], layout.config
   eviction = saved_plan["eviction"]
   if eviction is not None:
     options = {k: v for k, v in eviction.items() if k != "layer_budget"}
     eviction = EvictionPlan(spec.policy, tuple(eviction["layer_budget"]), **options)
   plan = CachePlan(None, eviction, saved_plan["chunk"], spec)  # the cache holds `config`
-  slot_specs = tuple(Slot(name, dtype, empty) for name, dtype, empty in saved_cache["slots"])
+  slot_specs = layout.slots
   if eviction is not None:
     missing = {s.name for s in spec.policy.slots} - {s.name for s in slot_specs}
     if missing:
@@ -170,15 +228,7 @@ def rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) ->
           f"{version}: policy {spec.policy.name!r} in this kvjax keeps slots {sorted(missing)} "
           "that the saved state lacks (saved by another kvjax version); prefill again"
       )
-  num_pages, live = saved_cache["num_pages"], saved_cache["live_pages"]
-  kv_dtype = saved_cache.get("kv_dtype", config.dtype)
-  if kv_dtype != config.dtype:
-    raise StateFileError(f"{version}: its pages ({kv_dtype}) disagree with its config")
-  saved_pages = [x for name, x in arrays.items() if name.split(".")[0] in ("k_pages", "v_pages")]
-  if int(arrays["table"].max(initial=pages.NULL_PAGE)) != live or any(
-      x.shape[0] != live for x in saved_pages
-  ):
-    raise StateFileError(f"{version}: its page table does not match its {live} saved pages")
+  num_pages, live, kv_dtype = layout.num_pages, layout.live, layout.kv_dtype
 
   def pool(saved: np.ndarray, empty=0) -> jax.Array:
     full = np.full((num_pages, *saved.shape[1:]), empty, saved.dtype)
@@ -194,8 +244,8 @@ def rebuild(meta: dict, arrays: dict[str, np.ndarray], version: pathlib.Path) ->
       ),
       config=config,
       slot_specs=slot_specs,
-      chunk=saved_cache["chunk"],
-      extra={name: jnp.asarray(arrays[f"extra.{name}"]) for name in saved_cache["extra"]},
+      chunk=meta["cache"]["chunk"],
+      extra={name: jnp.asarray(arrays[f"extra.{name}"]) for name in layout.extra},
   )
   return State(
       cache=cache,

@@ -61,16 +61,17 @@ def save_state(
 
   import orbax.checkpoint as ocp
 
-  path.mkdir(parents=True, exist_ok=True)
+  files.make_dirs(path)  # 0700 where kvjax makes it
   with locked(path):
     check_target(path, overwrite)  # again: another process may have saved meanwhile
     previous = current_name(path)
     name = f"v{1 + max(versions(path), default=0)}"
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      checkpointer.save(  # a temporary directory, renamed to `name` once complete
+    with files.private_checkpointer() as checkpointer:
+      checkpointer.save(  # a temporary directory (0700), renamed to `name` once complete
           path / name,
           ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
       )
+    files.make_private(path / name)  # files 0600, as CURRENT (`write_text`) and the lock
     files.write_text(path / CURRENT, name + "\n")
     # The previous version stays until the next save: a reader may have just read its name.
     remove_stale(path, keep={name, previous})

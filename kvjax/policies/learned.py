@@ -32,6 +32,11 @@ from kvjax.policies.base import SCORE, Policy, write_new_tokens
 from kvjax.sharding import my_heads
 
 FORMAT = "kvjax-learned-scorer/1"
+# The largest scorer a directory may declare: weight values (L x d x H) and each dimension.
+# A 405B-parameter Llama's would hold 126 x 16384 x 8 = 16.5M; the cap bounds what a
+# directory of a few kilobytes (orbax does not write chunks of zeros) can make a load allocate.
+MAX_SCORER_VALUES = 2**25
+MAX_SCORER_DIM = 2**17
 # The shipped scorer's directory, kvjax/data/scorers/<name>: named for the model it was
 # trained for (the default model of `models.registry`).
 SHIPPED_SCORER = "smollm2-135m-instruct"
@@ -119,7 +124,9 @@ class Scorer:
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Scorer":
     """A scorer saved by `save`; ValueError naming the path when it is not one."""
-    params, meta = _files.read_params(path, what="trained kvjax scorer", fmt=FORMAT)
+    params, meta = _files.read_params(
+        path, what="trained kvjax scorer", fmt=FORMAT, expected=scorer_arrays
+    )
     try:
       return cls(
           weight=params["weight"],
@@ -130,6 +137,23 @@ class Scorer:
       )
     except ValueError as err:
       raise ValueError(f"{pathlib.Path(path).absolute()}: not a usable scorer: {err}") from None
+
+
+def scorer_arrays(meta: dict, declared=None) -> dict[str, tuple[tuple[int, ...], str]]:
+  """The arrays a scorer directory's meta says it holds: weight [L, d, H] and bias [L, H],
+  float32 (ValueError for shapes that are not positive ints, or past the caps above).
+  `declared` (what the directory declares) is compared with this by the reader."""
+  dims = [meta.get(k) for k in ("num_layers", "hidden_size", "num_kv_heads")]
+  for name, n in zip(("num_layers", "hidden_size", "num_kv_heads"), dims):
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SCORER_DIM:
+      raise ValueError(f"meta {name} must be an int in [1, {MAX_SCORER_DIM}], got {n!r}")
+  layers, hidden, heads = dims
+  if layers * hidden * heads > MAX_SCORER_VALUES:
+    raise ValueError(
+        f"a scorer of {layers} x {hidden} x {heads} weights is larger than any model's "
+        f"({MAX_SCORER_VALUES} values at most)"
+    )
+  return {"weight": ((layers, hidden, heads), "float32"), "bias": ((layers, heads), "float32")}
 
 
 def normalise(hidden: Float[Array, "... d"]) -> Float[Array, "... d"]:

@@ -24,7 +24,7 @@ from kvjax.cache.paged_cache import to_host
 from kvjax.sharding import num_shards
 from kvjax.runtime import session, steps
 from kvjax.runtime.compilation import compile_stats
-from kvjax.runtime.sampling import Sampling
+from kvjax.runtime.sampling import Sampling, check_seed
 from kvjax.runtime.session import decode
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
@@ -106,7 +106,8 @@ def generate(
       spans: protected ones are never evicted; each is a segment for `fair`).
     spec: the `CompressionSpec` (default: the full cache).
     max_new_tokens: per row; a row also stops at any of the tokenizer's EOS ids.
-    sampling: a `Sampling` (greedy by default); `key` (or `seed`) drives it.
+    sampling: a `Sampling` (greedy by default); `key` (or `seed`, an int in
+      [0, 2**32 - 1]) drives it.
     chat: wrap str/segment prompts as a user message in the chat template; the template's
       own tokens (system prompt, role markers) are protected.
     stream: return a `Generation` iterator of `TokenEvent`s instead of the result.
@@ -117,7 +118,14 @@ def generate(
   if not isinstance(sampling, Sampling):
     raise TypeError(f"sampling must be a kvjax.Sampling, got {type(sampling).__name__}")
   spec = CompressionSpec() if spec is None else spec
+  if not isinstance(spec, CompressionSpec):
+    raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
+  if key is None:
+    check_seed(seed)
   shape = ModelShape.of(model)
+  # Here, not in the stream: a stream runs nothing until it is read, and the CLI counts an
+  # error from it as a failed run. Every size the cache gets is bounded by the model.
+  spec.check_context(shape.max_context)
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
   encoded.longest(shape.max_context, max_new_tokens)
   key = jax.random.key(seed) if key is None else key

@@ -9,8 +9,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax._checks import check_int
+from kvjax._checks import is_int
 from jaxtyping import Array, Float, Int
+
+TOP_K_MAX = 2**31 - 1  # top_k is an int32 of the compiled step
+TEMPERATURE_MAX = float(np.finfo(np.float32).max)  # and the temperature a float32
+# `jax.random.key(seed)` keeps 32 bits of a seed (without x64): 2**32 would give seed 0's
+# key, and a seed past 64 bits fails with an OverflowError deep in jax.
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(seed, name: str = "seed") -> None:
+  """ValueError unless `seed` is an int in [0, SEED_MAX], the seeds that give distinct keys
+  (`name`: as the caller spells it, e.g. --seed)."""
+  if not is_int(seed) or not 0 <= seed <= SEED_MAX:
+    raise ValueError(f"{name} must be an int in [0, {SEED_MAX}], got {seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +43,15 @@ class Sampling:
         isinstance(self.temperature, (int, float)) and self.temperature >= 0
     ):
       raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-    check_int("top_k", self.top_k, 0, note=" (0 = off)")
+    if not self.temperature <= TEMPERATURE_MAX:  # inf (or a larger int) is no float32
+      raise ValueError(
+          f"temperature must be a finite float32 (<= {TEMPERATURE_MAX:.4g}), got "
+          f"{self.temperature!r}"
+      )
+    if not is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
+      raise ValueError(
+          f"top_k must be an int >= 0 (0 = off) and <= {TOP_K_MAX}, got {self.top_k!r}"
+      )
     if isinstance(self.top_p, bool) or not (
         isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
     ):

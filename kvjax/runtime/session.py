@@ -26,7 +26,7 @@ from kvjax.runtime import pool, steps
 from kvjax import sharding as shards
 from kvjax.cache.paged_cache import check_status, init_cache, logical_view, valid_mask
 from kvjax.runtime.prompts import EncodedPrompts, encode_prompts
-from kvjax.runtime.sampling import Sampling
+from kvjax.runtime.sampling import Sampling, check_seed
 from kvjax.seam import ModelShape, query_heads
 from kvjax.spec import CompressionSpec
 from kvjax.runtime.state import DecodeResult, State, copy, laid_out
@@ -56,9 +56,10 @@ def prefill(
     chat: wrap text prompts as a user message in the chat template; the template's own
       tokens are protected.
     reserve: with the full cache, room for this many more tokens per row before the cache
-      grows (each growth re-lays the cache out and compiles new shapes once).
+      grows (each growth re-lays the cache out and compiles new shapes once); clipped to
+      the model context.
     seed: randomness for sampling and random eviction (`jax.random.key(seed)`), when no
-      `key` is given.
+      `key` is given: an int in [0, 2**32 - 1].
     key: a jax random key, used instead of `seed`.
     progress: called as `progress(tokens_read, tokens_total)` (of the longest prompt) after
       each prefill chunk, e.g. to draw a progress bar.
@@ -238,6 +239,9 @@ def begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None) 
   if spec.allocation is not None:
     spec.allocation.check_model(model)
   check_int("reserve", reserve, 0)
+  if key is None:
+    check_seed(seed)
+  spec.check_context(shape.max_context)  # before the prompts are encoded (`plan` again)
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
   longest = encoded.longest(shape.max_context)
   reserve = min(reserve, shape.max_context - longest)

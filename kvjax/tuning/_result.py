@@ -4,6 +4,7 @@ written as a tuned spec (`tuned.json`, the allocation, `front.png`)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import pathlib
 
@@ -156,7 +157,13 @@ def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
   ax.set_ylabel("KL(full || compressed), nats")
   ax.set_title(f"kvjax tune: {result.model}")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  # Written atomically like tuned.json (a temporary beside it, renamed over it: a symlink
+  # planted at `path` is replaced, never followed).
+  try:
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+  finally:
+    plt.close(fig)
+  files.write_bytes(path, png.getvalue())
   return path
