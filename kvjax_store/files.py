@@ -25,11 +25,13 @@ import time
 import numpy as np
 
 __all__ = [
+    "ArraysMismatch",
     "arrays_digest",
     "make_dirs",
     "make_private",
     "private_checkpointer",
     "read_params",
+    "restore_arrays",
     "shapes_mismatch",
     "stored_arrays",
     "write_bytes",
@@ -196,16 +198,11 @@ def _read_params_once(path: pathlib.Path, what: str, fmt: str, expected) -> tupl
   if mismatch:
     raise ValueError(f"{path}: not a usable {what}: {mismatch}")
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      params = checkpointer.restore(
-          path, ocp.args.Composite(params=ocp.args.StandardRestore())
-      )["params"]
+    params = restore_arrays(path, "params", want)
+  except ArraysMismatch as e:
+    raise ValueError(f"{path}: not a usable {what}: {e}") from None
   except (OSError, ValueError, KeyError) as e:
     raise ValueError(f"{path}: cannot read this {what}: {type(e).__name__}: {e}") from None
-  params = {k: np.asarray(v) for k, v in params.items()}
-  mismatch = shapes_mismatch({k: (x.shape, x.dtype.name) for k, x in params.items()}, want)
-  if mismatch:  # changed between the two reads
-    raise ValueError(f"{path}: not a usable {what}: {mismatch}")
   return params, meta
 
 
@@ -227,6 +224,25 @@ def stored_arrays(path: str | os.PathLike, item: str) -> dict[str, tuple[tuple, 
       raise ValueError(f"its {item!r} holds {str(name)[:40]!r}, which is not an array")
     out[name] = (tuple(int(n) for n in shape), np.dtype(dtype).name)
   return out
+
+
+class ArraysMismatch(ValueError):
+  """Restored arrays whose names, shapes or dtypes are not the ones their metadata declared."""
+
+
+def restore_arrays(path: str | os.PathLike, item: str, want: dict) -> dict[str, np.ndarray]:
+  """The arrays of orbax item `item` of checkpoint `path`, once `stored_arrays` declared
+  `want` ({name: (shape, dtype name)}), checked again once restored (ArraysMismatch): the
+  files may have changed since their metadata was read. orbax's errors pass through."""
+  import orbax.checkpoint as ocp
+
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    restored = checkpointer.restore(path, ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+  arrays = {name: np.asarray(x) for name, x in restored[item].items()}
+  mismatch = shapes_mismatch({k: (x.shape, x.dtype.name) for k, x in arrays.items()}, want)
+  if mismatch:
+    raise ArraysMismatch(mismatch)
+  return arrays
 
 
 def shapes_mismatch(found: dict, want: dict) -> str | None:

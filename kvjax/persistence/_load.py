@@ -145,8 +145,6 @@ def read_arrays(version: pathlib.Path, meta: dict, layout, extra) -> dict[str, n
   checkpoint declares (names, shapes, dtypes, from orbax's metadata) against what `layout`
   implies (`extra(declared)`: the shapes of the policy's state beside the cache) before any
   is restored; the digest; the values (`_checks.check_values`)."""
-  import orbax.checkpoint as ocp
-
   try:
     declared = files.stored_arrays(version, "arrays")
   except Exception as err:  # noqa: BLE001 - orbax's many failure types, one message
@@ -158,18 +156,13 @@ def read_arrays(version: pathlib.Path, meta: dict, layout, extra) -> dict[str, n
   if mismatch:
     raise StateFileError(f"{version}: {mismatch}, for the state its metadata describes")
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      restored = checkpointer.restore(
-          version, ocp.args.Composite(arrays=ocp.args.StandardRestore())
-      )["arrays"]
-    arrays = {name: np.asarray(x) for name, x in restored.items()}
+    arrays = files.restore_arrays(version, "arrays", want)
+  except files.ArraysMismatch as err:  # changed on disk since its metadata was read
+    raise StateFileError(f"{version}: {err}, for the state its metadata describes") from None
   except Exception as err:  # noqa: BLE001 - truncated or missing files, one message
     raise StateFileError(
         f"{version}: unreadable arrays, the checkpoint is damaged ({short(err)})"
     ) from None
-  mismatch = files.shapes_mismatch({k: (x.shape, x.dtype.name) for k, x in arrays.items()}, want)
-  if mismatch:  # changed on disk since its metadata was read
-    raise StateFileError(f"{version}: {mismatch}, for the state its metadata describes")
   if digest(meta, arrays) != meta.get("digest"):
     raise StateFileError(
         f"{version}: the checkpoint is corrupted (its SHA-256 digest does not match its "
