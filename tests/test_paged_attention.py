@@ -240,7 +240,12 @@ def test_live_blocks_reject_bad_arguments(change, match):
     paged_attention_live_blocks(**{**args, **change}, block_tokens=block_tokens)
 
 
-@pytest.mark.parametrize("page_size, group", [(1, 1), (4, 3), (16, 3)])
+# One page layout in the default suite (the kernel tests cover page sizes over parameter
+# products in interpret mode); one page a token and 16-token pages under -m slow.
+@pytest.mark.parametrize(
+    "page_size, group",
+    [pytest.param(1, 1, marks=pytest.mark.slow), (4, 3), pytest.param(16, 3, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize(
     "lengths",
     [[1], [3, 9], [17, 0, 33], [64, 5]],  # under the narrowest prefix .. the whole table
