@@ -812,7 +812,14 @@ def test_a_policy_declaration_outside_the_known_values_is_refused():
     type("Bad", (policies.Policy,), {"reads": frozenset({"hidden"})})
 
 
-@pytest.mark.parametrize("name", ["streaming", "knorm", "output_impact", "expected_attention"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "streaming",
+        "expected_attention",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("knorm", "output_impact")),
+    ],
+)
 def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
   """The attention path that skips the probabilities (live pages only) changes nothing but
   float order: the same tokens kept, the same logits to 1e-5."""
