@@ -10,7 +10,11 @@ def is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_int(name: str, value, minimum: int = 1, *, note: str = "") -> None:
-  """ValueError "`name` must be an int >= `minimum` (`note`), got ..." unless `value` is."""
-  if not is_int(value) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}{note}, got {value!r}")
+def check_int(
+    name: str, value, minimum: int = 1, *, maximum: int | None = None, note: str = ""
+) -> None:
+  """ValueError "`name` must be an int >= `minimum` (`note`)[ and <= `maximum`], got ..."
+  unless `value` is."""
+  if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+    upper = "" if maximum is None else f" and <= {maximum}"
+    raise ValueError(f"{name} must be an int >= {minimum}{note}{upper}, got {value!r}")

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax._checks import is_int
+from kvjax._checks import check_int, is_int
 from jaxtyping import Array, Float, Int
 
 TOP_K_MAX = 2**31 - 1  # top_k is an int32 of the compiled step
@@ -48,10 +48,7 @@ class Sampling:
           f"temperature must be a finite float32 (<= {TEMPERATURE_MAX:.4g}), got "
           f"{self.temperature!r}"
       )
-    if not is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
-      raise ValueError(
-          f"top_k must be an int >= 0 (0 = off) and <= {TOP_K_MAX}, got {self.top_k!r}"
-      )
+    check_int("top_k", self.top_k, 0, maximum=TOP_K_MAX, note=" (0 = off)")
     if isinstance(self.top_p, bool) or not (
         isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
     ):
