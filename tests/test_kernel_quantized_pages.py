@@ -23,17 +23,17 @@ from pallas_kernels import page_format as pf
 
 KV_DTYPES = pf.QUANTIZED_DTYPES
 
-# (page_size, group, head_dim, length_kind, q dtype, pages_per_block): two contrasting
-# cases by default, the whole product (both K/V dtypes, both kernels) under -m slow.
+# (page_size, group, head_dim, length_kind, q dtype, pages_per_block, kv dtype): two
+# contrasting cases by default, one per K/V dtype; the whole product (both K/V dtypes, both
+# kernels) under -m slow.
 DEFAULT = [
-    (8, 3, 64, "ragged", "float32", 1),
-    (64, 8, 128, "boundary", "bfloat16", 2),
+    (8, 3, 64, "ragged", "float32", 1, "int8"),
+    (64, 8, 128, "boundary", "bfloat16", 2, "int4"),
 ]
 ALL = [c for c in kh.full_product() if c[4] == "float32"]
-CASES = [
-    pytest.param(*c, kv, marks=() if c in DEFAULT else pytest.mark.slow)
-    for kv in KV_DTYPES
-    for c in DEFAULT + [c for c in ALL if c not in DEFAULT]
+ALL_PAGES = [(*c, kv) for kv in KV_DTYPES for c in [d[:6] for d in DEFAULT] + ALL]
+CASES = [pytest.param(*c) for c in DEFAULT] + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in dict.fromkeys(ALL_PAGES) if c not in DEFAULT
 ]
 NAMES = kh.CASE_NAMES + ", kv_dtype"
 
@@ -105,8 +105,15 @@ def test_prefill_chunks_read_quantized_blocks_like_floats(kv_dtype):
   assert np.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize(
+    "kv_dtype, where",
+    [
+        ("int8", "k"),
+        ("int4", "v"),
+        pytest.param("int8", "v", marks=pytest.mark.slow),
+        pytest.param("int4", "k", marks=pytest.mark.slow),
+    ],
+)
 def test_a_nan_in_a_live_group_reaches_the_output(kv_dtype, where):
   args, _ = problem(16, 1, 64, "full", "float32", kv_dtype, "nan")
   q, kp, vp, table, lens = args
@@ -122,8 +129,15 @@ def test_a_nan_in_a_live_group_reaches_the_output(kv_dtype, where):
     assert np.isnan(out[0, 0, 0]).all() and np.isfinite(out[1]).all()
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("length_kind", ["ragged", "boundary"])
+@pytest.mark.parametrize(
+    "kv_dtype, length_kind",
+    [
+        ("int8", "ragged"),
+        ("int4", "boundary"),
+        pytest.param("int8", "boundary", marks=pytest.mark.slow),
+        pytest.param("int4", "ragged", marks=pytest.mark.slow),
+    ],
+)
 def test_output_impact_kernel_on_quantized_pages(kv_dtype, length_kind):
   args, floats = problem(16, 3, 64, length_kind, "float32", kv_dtype, "oi")
   out, _, lse = reference(floats)

@@ -157,7 +157,9 @@ def test_auto_budget_needs_a_threshold_and_a_compress_once_policy():
     kvjax.CompressionSpec(policy="kvzip", budget=0.25, threshold=0.1)
 
 
-@pytest.mark.parametrize("sharing", ["global", "layer", "uniform"])
+@pytest.mark.parametrize(
+    "sharing", ["global", *(pytest.param(s, marks=pytest.mark.slow) for s in ("layer", "uniform"))]
+)
 def test_a_shared_budget_frees_the_memory_it_does_not_keep(tiny, trained, sharing):
   """At 25% kept the pool holds at most 25% of the full cache's pages, plus a page per
   sequence (partial pages) and the reserve, while kept counts follow the scores."""

@@ -58,8 +58,15 @@ def test_page_and_kv_bytes_include_the_scales(kv_dtype):
   assert pf.nbytes(cache.k_pages) + pf.nbytes(cache.v_pages) == cache.num_pages * cache.page_bytes
 
 
-@pytest.mark.parametrize("kv_dtype", pf.QUANTIZED_DTYPES)
-@pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.parametrize(
+    "kv_dtype, group_size",
+    [
+        ("int8", 4),
+        ("int4", 1),
+        pytest.param("int8", 1, marks=pytest.mark.slow),
+        pytest.param("int4", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_eviction_moves_codes_and_scales_with_their_tokens(kv_dtype, group_size):
   """The same eviction on a float32 and a quantized cache keeps the same tokens, and the
   quantized cache's kept values are exactly their first encoding: scales travelled with

@@ -63,7 +63,7 @@ def _random_allocation(model, policy, seed=1):
 
 
 @pytest.mark.parametrize("policy", ["kvzip", pytest.param("expected_attention", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("allocated", [False, True])
+@pytest.mark.parametrize("allocated", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("budget", [0.2, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_hard_evaluation_equals_the_real_pipeline(
     model, tokenizer, calibration, policy, allocated, budget
