@@ -823,6 +823,21 @@ def test_only_policies_that_read_the_probabilities_get_them():
   assert Lean.reads == Child.reads == frozenset()
 
 
+@pytest.mark.parametrize(
+    "policy, option, value",
+    [
+        (policies.SnapKV, "window", 0),
+        (policies.SnapKV, "kernel", -3),
+        (policies.SnapKV, "kernel", 2.5),
+        (policies.OutputImpact, "window", 0),
+        (policies.DropKV, "window", True),
+    ],
+)
+def test_a_window_or_kernel_below_one_is_refused(policy, option, value):
+  with pytest.raises(ValueError, match=f"{policy.__name__} {option} must be an int >= 1, got"):
+    policy(**{option: value})
+
+
 def test_a_policy_declaration_outside_the_known_values_is_refused():
   with pytest.raises(TypeError, match="reads must be a subset"):
     type("Bad", (policies.Policy,), {"reads": frozenset({"hidden"})})

@@ -9,6 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kvjax._checks import check_int
 from kvjax.policies import scores as S
 from kvjax.cache.paged_cache import Slot, logical_view, valid_mask
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
@@ -76,6 +77,10 @@ class SnapKV(Policy):
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
   window: int = 32
   kernel: int = 7
+
+  def __post_init__(self):
+    check_int("SnapKV window", self.window)
+    check_int("SnapKV kernel", self.kernel)
 
   def observe(self, cache, stats):
     t = stats.probs.shape[2]

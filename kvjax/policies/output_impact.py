@@ -9,6 +9,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from kvjax._checks import check_int
 from kvjax.policies import scores as S
 from kvjax.cache.paged_cache import Slot, logical_view
 from kvjax.policies.base import SCORE, Policy, read_layer, write_layer
@@ -30,6 +31,9 @@ class OutputImpact(Policy):
   window: int = 8
   decay: float = 1.0
   squared: bool = False  # sum (a/(1-a))^2 ||v - O||^2 instead (DropKV): see `DropKV`
+
+  def __post_init__(self):
+    check_int(f"{type(self).__name__} window", self.window)
 
   def observe(self, cache, stats):
     w = min(self.window, stats.q.shape[1])
