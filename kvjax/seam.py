@@ -85,6 +85,12 @@ class ModelShape:
             f"(a kvjax model's config has {', '.join(_SHAPE_FIELDS)})"
         )
       values[name] = value
+    # Sliding-window layers (`config.layer_windows`, optional: 0 = every earlier key) are
+    # exact while a sequence fits the narrowest window, where they attend to everything;
+    # the cache does not apply windows yet, so that is the usable context.
+    windows = [w for w in getattr(config, "layer_windows", ()) if w]
+    if windows:
+      values["max_context"] = min(values["max_context"], *windows)
     floats = [
         x.dtype
         for x in jax.tree.leaves(nnx.state(model, nnx.Param))

@@ -1,4 +1,5 @@
-"""Llama-family model loading: config, weights (GGUF or HF safetensors), tokenizer, registry.
+"""Decoders (Llama family, Gemma 3) and their loading: config, weights (GGUF or HF safetensors),
+tokenizer, registry.
 
 Parameters are a flat ``dict[str, np.ndarray]`` of float32 arrays with canonical names, the same for
 every source. Linear weights are ``[out_features, in_features]`` (HF orientation: ``y = x @ w.T``),
@@ -12,11 +13,13 @@ and q/k rows are in the HF layout for half-rotation ("rotate_half") RoPE. ``H`` 
     layers.{i}.wv       [K*hd, d]
     layers.{i}.wo       [d, H*hd]
     layers.{i}.bq/bk/bv [H*hd] / [K*hd] / [K*hd]   only when config.qkv_bias (Qwen2)
+    layers.{i}.q_norm/k_norm [hd]   only when config.qk_norm (Qwen3, Gemma 3): per-head RMSNorm
+    layers.{i}.post_attn_norm/post_mlp_norm [d]   Gemma 3: RMSNorm of each block's output
     layers.{i}.mlp_norm [d]          RMSNorm weight before the MLP
     layers.{i}.w_gate   [f, d]       SwiGLU: w_down @ (silu(w_gate @ x) * (w_up @ x))
     layers.{i}.w_up     [f, d]
     layers.{i}.w_down   [d, f]
-    final_norm          [d]
+    final_norm          [d]          (norm weights are the factor they scale by: Gemma's 1 + w)
     lm_head             [V, d]       absent when config.tie_embeddings (use embed)
     rope_freqs          [hd // 2]    GGUF only, optional: llama.cpp's Llama-3 RoPE frequency
                                      divisors (inv_freq / rope_freqs)
@@ -25,6 +28,7 @@ and q/k rows are in the HF layout for half-rotation ("rotate_half") RoPE. ``H`` 
 """
 
 from .config import ModelConfig, RopeScaling, check_params
+from .gemma3 import Gemma3, load_decoder
 from .gguf_loader import load_gguf
 from .llama import Llama, load_llama
 from .registry import DEFAULT_MODEL, ModelSource, known_models, load_model, resolve_model
@@ -33,6 +37,7 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Gemma3",
     "Llama",
     "ModelConfig",
     "ModelSource",
@@ -42,6 +47,7 @@ __all__ = [
     "known_models",
     "load_gguf",
     "load_hf_dir",
+    "load_decoder",
     "load_llama",
     "load_model",
     "resolve_model",

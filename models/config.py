@@ -1,4 +1,5 @@
-"""Model hyper-parameters for Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+"""Model hyper-parameters of the decoders in `models/`: the Llama family (Llama 2/3, Mistral,
+Qwen2/3, SmolLM2) and Gemma 3."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class RopeScaling:
       raise ValueError(f"rope_scaling: missing key {e.args[0]!r} in {dict(d)}") from None
 
 
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "gemma3")  # the decoder block: `models.Llama` or `models.Gemma3`
+LAYER_TYPES = ("full", "sliding")  # a layer attends to every earlier token, or to a window
+
 # ModelConfig fields that must be positive ints.
 SIZE_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -71,6 +76,14 @@ class ModelConfig:
   eos_ids: tuple[int, ...] = ()
   chat_template: str | None = dataclasses.field(default=None, repr=False)
   name: str = "model"
+  family: str = "llama"  # the block layout (FAMILIES)
+  qk_norm: bool = False  # RMSNorm over each q/k head before RoPE (Qwen3, Gemma 3)
+  sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+  # Per layer, "full" or "sliding" (empty: every layer full). A sliding layer's query at
+  # position i sees keys at positions in (i - sliding_window, i].
+  layer_types: tuple[str, ...] = ()
+  rope_local_theta: float | None = None  # the RoPE base of sliding layers (None: rope_theta)
+  query_pre_attn_scalar: float | None = None  # attention scale s**-0.5 (None: head_dim)
 
   def __post_init__(self):
     for f in SIZE_FIELDS:
@@ -96,6 +109,28 @@ class ModelConfig:
           f"got {type(self.rope_scaling).__name__}"
       )
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.family not in FAMILIES:
+      raise ValueError(f"ModelConfig.family must be one of {FAMILIES}, got {self.family!r}")
+    if self.layer_types and (
+        len(self.layer_types) != self.n_layers
+        or any(t not in LAYER_TYPES for t in self.layer_types)
+    ):
+      raise ValueError(
+          f"ModelConfig.layer_types must give one of {LAYER_TYPES} for each of the "
+          f"{self.n_layers} layers, got {self.layer_types!r}"
+      )
+    window = self.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+      raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1, got {window!r}")
+    if (window is None or window < 1) and "sliding" in self.layer_types:
+      raise ValueError(
+          f"ModelConfig: sliding layers need sliding_window >= 1, got {self.sliding_window!r}"
+      )
+    for name in ("rope_local_theta", "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"ModelConfig.{name} must be None or > 0, got {value!r}")
     for what, ids in (
         ("bos_id", () if self.bos_id is None else (self.bos_id,)),
         ("eos_ids", self.eos_ids),
@@ -103,6 +138,13 @@ class ModelConfig:
       bad = [i for i in ids if not 0 <= i < self.vocab_size]
       if bad:
         raise ValueError(f"ModelConfig.{what} {bad} outside [0, vocab_size=" f"{self.vocab_size})")
+
+  @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """Per layer, the keys its query sees (itself included): the sliding window on a
+    sliding layer, 0 (every earlier key) on a full one. The seam's optional attribute."""
+    types = self.layer_types or ("full",) * self.n_layers
+    return tuple(self.sliding_window if t == "sliding" else 0 for t in types)
 
   @property
   def q_dim(self) -> int:
@@ -135,19 +177,27 @@ class ModelConfig:
       )
       if self.qkv_bias:
         shapes.update({p + "bq": (self.q_dim,), p + "bk": (self.kv_dim,), p + "bv": (self.kv_dim,)})
+      if self.qk_norm:
+        shapes.update({p + "q_norm": (self.head_dim,), p + "k_norm": (self.head_dim,)})
+      if self.family == "gemma3":
+        shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})
     return shapes
 
   @classmethod
   def from_hf_config(
       cls, cfg: Mapping[str, Any], *, name: str | None = None, chat_template: str | None = None
   ) -> ModelConfig:
-    """Build from a HF `config.json` dict (model_type llama, mistral or qwen2)."""
+    """Build from a HF `config.json` dict (model_type in `HF_MODEL_TYPES`)."""
     model_type = cfg.get("model_type")
-    if model_type not in ("llama", "mistral", "qwen2"):
+    if model_type not in HF_MODEL_TYPES:
       raise ValueError(
           f"config.json: model_type {model_type!r} is not supported "
-          "(supported: 'llama', 'mistral', 'qwen2')"
+          f"(supported: {', '.join(map(repr, HF_MODEL_TYPES))})"
       )
+    gemma = model_type == "gemma3_text"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+      if cfg.get(key) is not None:
+        raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
       raise ValueError(
           "config.json: attention_bias/mlp_bias (biases on every projection) " "is not supported"
@@ -161,18 +211,28 @@ class ModelConfig:
       )
     except KeyError as e:
       raise ValueError(f"config.json: missing required key {e.args[0]!r}") from None
-    # transformers>=5 moves rope settings into `rope_parameters`.
+    # transformers>=5 moves rope settings into `rope_parameters` (Gemma 3: one entry per
+    # layer type, {"full_attention": {...}, "sliding_attention": {...}}).
     rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    local = rope.get("sliding_attention") or {}
+    rope = rope.get("full_attention", rope)
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 1e6 if gemma else 10000.0))
     scaling = cfg.get("rope_scaling") or rope or None
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
       scaling = None
-    max_ctx = int(cfg.get("max_position_embeddings", 2048))
-    # Sliding-window attention equals full attention for contexts within the window, so
-    # capping the context keeps Mistral-v0.1-style models exact without a window mask.
+    if gemma and scaling:
+      raise ValueError(f"config.json: Gemma 3 RoPE scaling {scaling!r} is not supported yet")
     window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", model_type == "mistral"):
-      max_ctx = min(max_ctx, int(window))
+    layer_types: tuple[str, ...] = ()
+    if gemma:  # five sliding layers, then a full one, unless the config lists them
+      pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+      types = cfg.get("layer_types") or [
+          "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+          for i in range(n_layers)
+      ]
+      layer_types = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    elif window and cfg.get("use_sliding_window", model_type == "mistral"):
+      layer_types = ("sliding",) * n_layers  # Mistral: a window on every layer
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
     return cls(
@@ -186,13 +246,23 @@ class ModelConfig:
         rope_theta=float(theta),
         rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_context=max_ctx,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_context=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         qkv_bias=model_type == "qwen2",
         bos_id=cfg.get("bos_token_id"),
         eos_ids=eos_ids,
         chat_template=chat_template,
         name=name or cfg.get("_name_or_path") or model_type,
+        family="gemma3" if gemma else "llama",
+        qk_norm=gemma or model_type == "qwen3",
+        sliding_window=int(window) if layer_types else None,
+        layer_types=layer_types,
+        rope_local_theta=float(
+            local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+        )
+        if gemma
+        else None,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
     )
 
 

@@ -23,24 +23,6 @@ from jaxtyping import Array, Float, Int
 from models.config import ModelConfig, check_params
 from models.registry import DEFAULT_MODEL
 
-# Per-layer weights: name -> shape from config, in `[in, out]` orientation.
-_LAYER_WEIGHTS = {
-    "attn_norm": lambda c: (c.d_model,),
-    "wq": lambda c: (c.d_model, c.n_heads * c.head_dim),
-    "wk": lambda c: (c.d_model, c.n_kv_heads * c.head_dim),
-    "wv": lambda c: (c.d_model, c.n_kv_heads * c.head_dim),
-    "wo": lambda c: (c.n_heads * c.head_dim, c.d_model),
-    "mlp_norm": lambda c: (c.d_model,),
-    "w_gate": lambda c: (c.d_model, c.ffn_dim),
-    "w_up": lambda c: (c.d_model, c.ffn_dim),
-    "w_down": lambda c: (c.ffn_dim, c.d_model),
-}
-_QKV_BIASES = {
-    "bq": lambda c: (c.n_heads * c.head_dim,),
-    "bk": lambda c: (c.n_kv_heads * c.head_dim,),
-    "bv": lambda c: (c.n_kv_heads * c.head_dim,),
-}
-_NORMS = ("attn_norm", "mlp_norm")
 # Tensor-parallel rules (Megatron-style) over a mesh axis named "model": the projections
 # that make heads (and the MLP's hidden units) are split on their output axis, the ones
 # that read them back on their input axis, so each device computes its own heads and one
@@ -53,10 +35,14 @@ class RopeFrequencies(nnx.Variable):
   """Inverse RoPE frequencies [head_dim // 2]: derived from the config, not trained."""
 
 
-def rope_inverse_frequencies(config: ModelConfig, divisors: np.ndarray | None = None) -> np.ndarray:
-  """[head_dim // 2] float32, with Llama-3 scaling or llama.cpp's frequency divisors."""
+def rope_inverse_frequencies(
+    config: ModelConfig, divisors: np.ndarray | None = None, *, theta: float | None = None
+) -> np.ndarray:
+  """[head_dim // 2] float32 for base `theta` (default `config.rope_theta`), with Llama-3
+  scaling or llama.cpp's frequency divisors."""
   hd = config.head_dim
-  inv = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+  base = config.rope_theta if theta is None else theta
+  inv = 1.0 / base ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
   if divisors is not None:
     inv = inv / divisors.astype(np.float64)
   elif config.rope_scaling is not None:
@@ -131,18 +117,19 @@ class Llama(nnx.Module):
         if params is not None
         else init(rngs.params(), (c.vocab_size, c.d_model), dtype)
     )
-    shapes = dict(_LAYER_WEIGHTS, **(_QKV_BIASES if c.qkv_bias else {}))
-    self.layers = nnx.List(
-        [
-            nnx.Dict(
-                {
-                    name: weight(f"layers.{i}.{name}", shape(c), name in _NORMS)
-                    for name, shape in shapes.items()
-                }
-            )
-            for i in range(c.n_layers)
-        ]
-    )
+    shapes = c.param_shapes()  # [out, in] for linear weights
+
+    def layer_weights(i: int) -> nnx.Dict:
+      prefix = f"layers.{i}."
+      names = [k.removeprefix(prefix) for k in shapes if k.startswith(prefix)]
+      return nnx.Dict(
+          {
+              n: weight(prefix + n, shapes[prefix + n][::-1], norm=n.endswith("norm"))
+              for n in names
+          }
+      )
+
+    self.layers = nnx.List([layer_weights(i) for i in range(c.n_layers)])
     self.final_norm = weight("final_norm", (c.d_model,), norm=True)
     self.lm_head = None if c.tie_embeddings else weight("lm_head", (c.d_model, c.vocab_size))
     divisors = None if params is None else params.get("rope_freqs")
@@ -214,7 +201,11 @@ class Llama(nnx.Module):
       q, k, v = linear(x, w["wq"]), linear(x, w["wk"]), linear(x, w["wv"])
       if c.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-      return q, k, v
+      q = q.reshape(b, t, c.n_heads, c.head_dim)
+      k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+      if c.qk_norm:  # Qwen3: each head normalised before RoPE
+        q, k = rms_norm(q, w["q_norm"], c.rms_eps), rms_norm(k, w["k_norm"], c.rms_eps)
+      return q, k, v.reshape(b, t, c.n_kv_heads, c.head_dim)
 
     def output_and_mlp(w, h, out):
       h = h + linear(out.reshape(b, t, -1).astype(h.dtype), w["wo"])
@@ -231,9 +222,7 @@ class Llama(nnx.Module):
     def layer(carry, index):
       h, kv_state = carry
       q, k, v = with_weights(index, qkv, h)
-      q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, inv_freq)
-      k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, inv_freq)
-      v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
       out, kv_state = attend(q, k, v, kv_state, index)
       h_out = with_weights(index, output_and_mlp, h, out)
       if after_layer is not None:
@@ -249,9 +238,15 @@ class Llama(nnx.Module):
 
 
 def load_llama(name_or_path: str = DEFAULT_MODEL, dtype=jnp.float32, *, cache=True):
-  """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir;
-  `cache`: keep the converted weights in kvjax's cache directory (`models.load_model`)."""
+  """(Llama, Tokenizer) from a registry name, a .gguf file or a local HF checkpoint dir of
+  a Llama-family model; `cache`: keep the converted weights in kvjax's cache directory
+  (`models.load_model`). `models.load_decoder` loads any family."""
   from models.registry import load_model
 
   config, params, tokenizer = load_model(name_or_path, cache=cache)
+  if config.family != "llama":
+    raise ValueError(
+        f"{name_or_path!r} is a {config.family} model, not a Llama-family one: load it with "
+        "models.load_decoder"
+    )
   return Llama.from_params(config, params, dtype), tokenizer

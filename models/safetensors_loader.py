@@ -31,7 +31,22 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
-_NAMES = TensorNames(_GLOBAL_NAMES, re.compile(r"model\.layers\.(\d+)\.(.+)"), _LAYER_NAMES)
+_LAYERS_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_QK_NORMS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+_NAMES = TensorNames(_GLOBAL_NAMES, _LAYERS_RE, {**_LAYER_NAMES, **_QK_NORMS})
+# Gemma 3 norms around both blocks: its "post_attention_layernorm" follows attention (Llama's
+# precedes the MLP).
+_GEMMA3_NAMES = TensorNames(
+    _GLOBAL_NAMES,
+    _LAYERS_RE,
+    {
+        **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("post_attention")},
+        **_QK_NORMS,
+        "post_attention_layernorm.weight": "post_attn_norm",
+        "pre_feedforward_layernorm.weight": "mlp_norm",
+        "post_feedforward_layernorm.weight": "post_mlp_norm",
+    },
+)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -74,7 +89,8 @@ def shard_files(d: Path) -> list[Path]:
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-  """Load a local HF Llama/Mistral/Qwen2 checkpoint dir: (config, canonical float32 params)."""
+  """Load a local HF checkpoint dir (Llama, Mistral, Qwen2/3, Gemma 3 text): (config,
+  canonical float32 params)."""
   from safetensors import SafetensorError, safe_open
 
   d = Path(path)
@@ -95,6 +111,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
       hf = {**hf, "eos_token_id": list(dict.fromkeys(eos + gen_eos))}
   config = ModelConfig.from_hf_config(hf, name=d.name, chat_template=read_chat_template(d))
 
+  names = _GEMMA3_NAMES if config.family == "gemma3" else _NAMES
   params: dict[str, np.ndarray] = {}
   for f in shard_files(d):
     try:
@@ -102,10 +119,12 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
         for name in sf.keys():
           if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers
             continue
-          key = _NAMES.canonical(name, str(f))
+          key = names.canonical(name, str(f))
           if key in params:
             raise ValueError(f"{str(f)!r}: tensor {name!r} appears in several shards")
           params[key] = np.asarray(sf.get_tensor(name), dtype=np.float32)
+          if config.family == "gemma3" and key.endswith("norm"):
+            params[key] += 1.0  # Gemma's norms scale by (1 + w): the params hold the factor
     except SafetensorError as e:
       raise ValueError(f"{str(f)!r} is not a valid safetensors file: {e}") from e
   if config.tie_embeddings:

@@ -74,7 +74,7 @@ def load_model(name: str):
   resolve_model(name)
   start = time.perf_counter()
   print(f"loading {name} ...", file=sys.stderr, flush=True)
-  model, tokenizer = models.load_llama(name)
+  model, tokenizer = models.load_decoder(name)
   print(
       f"loaded {model.config.name} ({model.config.n_layers} layers) in "
       f"{time.perf_counter() - start:.1f} s on {jax.default_backend()}",
