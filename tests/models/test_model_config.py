@@ -155,10 +155,57 @@ def test_from_hf_llama3_with_rope_scaling():
   assert c.max_context == 131072 and c.rope_theta == 500000.0
 
 
-def test_from_hf_mistral_caps_context_at_sliding_window():
+def test_from_hf_mistral_windows_every_layer():
   c = ModelConfig.from_hf_config(MISTRAL_V01, name="mistral")
-  assert c.max_context == 4096 and c.head_dim == 128 and not c.tie_embeddings
+  assert c.max_context == 32768 and c.head_dim == 128 and not c.tie_embeddings
+  assert c.layer_windows == (4096,) * c.n_layers and c.layer_types == ("sliding",) * c.n_layers
   assert c.eos_ids == (2,) and c.name == "mistral"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(layer_types=("full",)), "one of .* for each of the 2 layers"),
+        (dict(layer_types=("full", "local")), "one of .* for each of the 2 layers"),
+        (dict(layer_types=("sliding", "full")), "sliding layers need sliding_window >= 1"),
+        (dict(sliding_window=2.5), "sliding_window must be None or an int >= 1"),
+        (dict(family="gemma"), "family must be one of"),
+        (dict(rope_local_theta=0.0), "rope_local_theta must be None or > 0"),
+    ],
+)
+def test_bad_layer_settings_are_refused(change, match):
+  base = dict(vocab_size=8, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8)
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**base, **change)
+
+
+def test_from_hf_gemma3_text_reads_the_layer_pattern_and_both_rope_bases():
+  hf = {
+      "model_type": "gemma3_text",
+      "vocab_size": 262144,
+      "hidden_size": 640,
+      "intermediate_size": 2048,
+      "num_hidden_layers": 18,
+      "num_attention_heads": 4,
+      "num_key_value_heads": 1,
+      "head_dim": 256,
+      "query_pre_attn_scalar": 256,
+      "sliding_window": 512,
+      "rope_parameters": {
+          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+      },
+      "max_position_embeddings": 32768,
+      "rms_norm_eps": 1e-6,
+      "bos_token_id": 2,
+      "eos_token_id": 1,
+  }
+  c = ModelConfig.from_hf_config(hf)
+  assert c.family == "gemma3" and c.qk_norm and c.tie_embeddings
+  assert c.layer_windows == tuple(0 if i % 6 == 5 else 512 for i in range(18))
+  assert (c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
+  with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
+    ModelConfig.from_hf_config({**hf, "final_logit_softcapping": 30.0})
 
 
 def test_from_hf_qwen2():
