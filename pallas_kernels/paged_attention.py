@@ -85,9 +85,22 @@ def _visible_limit(lengths, num_queries, t: int):
   return jnp.where(q_idx < num_queries[:, None, None], limit, 0)
 
 
-def visible_mask(lengths, num_queries, t: int, n: int):
-  """[B, Hkv, T, N]: slot n is visible to query t of row b (`_visible_limit`)."""
-  return jnp.arange(n) < _visible_limit(lengths, num_queries, t)[..., None]
+def _visible_floor(limit, window):
+  """[B, Hkv, T]: the lowest slot a query under `limit` sees with a sliding `window` (the
+  keys it sees, itself included; an int or int32 scalar, 0 or None = every earlier key).
+  Exact for a sequence whose slots hold consecutive positions, as a sliding layer's do."""
+  if window is None:
+    return jnp.zeros_like(limit)
+  window = jnp.asarray(window, jnp.int32)
+  return jnp.where(window > 0, limit - window, 0)
+
+
+def visible_mask(lengths, num_queries, t: int, n: int, window=None):
+  """[B, Hkv, T, N]: slot n is visible to query t of row b (`_visible_limit`, and within
+  its `window`: `_visible_floor`)."""
+  limit = _visible_limit(lengths, num_queries, t)[..., None]
+  slot = jnp.arange(n)
+  return (slot < limit) & (slot >= _visible_floor(limit, window))
 
 
 def _query_rows(q, hkv: int, scale):
@@ -107,7 +120,7 @@ def _per_query(x, t: int):
   return jnp.swapaxes(x, 1, 2).reshape(b, t, hkv * (tg // t), *rest)
 
 
-def _reference_logits(q, k_pages, page_table, lengths, num_queries, scale):
+def _reference_logits(q, k_pages, page_table, lengths, num_queries, scale, window=None):
   """Scaled logits [B, Hkv, T*G, N] float32 in kv-head-major layout (`_query_rows`) and
   the mask of the slots each row sees, same shape."""
   b, t, hq, _ = q.shape
@@ -116,7 +129,8 @@ def _reference_logits(q, k_pages, page_table, lengths, num_queries, scale):
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
   k_BxKxNxD = gather_pages(k_pages, page_table)
   logits = jnp.einsum("bkqd,bknd->bkqn", _query_rows(q, hkv, scale), k_BxKxNxD)
-  return logits, jnp.repeat(visible_mask(lengths, num_queries, t, n), hq // hkv, axis=2)
+  visible = visible_mask(lengths, num_queries, t, n, window)
+  return logits, jnp.repeat(visible, hq // hkv, axis=2)
 
 
 def paged_attention_reference(
@@ -129,8 +143,11 @@ def paged_attention_reference(
     *,
     scale: float | None = None,
     per_query_head: bool = False,
+    window=None,
 ) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B Hkv T N"]]:
-  """Causal GQA attention of T queries over paged sequences (N = M * S slots).
+  """Causal GQA attention of T queries over paged sequences (N = M * S slots), each query
+  seeing at most the `window` latest slots, itself included (an int or int32 scalar; 0 or
+  None: every earlier slot).
 
   Returns the output and the attention probabilities per kv head, summed over the
   query heads that share it (zero for masked slots and padding queries); with
@@ -140,7 +157,9 @@ def paged_attention_reference(
   b, t, hq, _ = q.shape
   hkv = page_table.shape[1]
   g = hq // hkv
-  logits, visible = _reference_logits(q, k_pages, page_table, lengths, num_queries, scale)
+  logits, visible = _reference_logits(
+      q, k_pages, page_table, lengths, num_queries, scale, window
+  )
   n = logits.shape[-1]
   # Unused slots may hold anything (NaN included). Masked logits are replaced below; V
   # must be zeroed so that 0 * NaN never reaches the output.
@@ -162,10 +181,13 @@ def paged_attention_lse_reference(
     num_queries: Int[Array, " B"] | None = None,
     *,
     scale: float | None = None,
+    window=None,
 ) -> Float[Array, "B T Hq"]:
   """Log-sum-exp of each query head's visible scaled logits (+inf where none is visible)."""
   t = q.shape[1]
-  logits, visible = _reference_logits(q, k_pages, page_table, lengths, num_queries, scale)
+  logits, visible = _reference_logits(
+      q, k_pages, page_table, lengths, num_queries, scale, window
+  )
   logits = jnp.where(visible, logits, -jnp.inf)  # [B, Hkv, T*G, N]
   any_visible = visible.any(-1)
   lse = jax.nn.logsumexp(jnp.where(any_visible[..., None], logits, 0.0), axis=-1)
@@ -185,6 +207,7 @@ def paged_attention_live_blocks(
     *,
     scale: float | None = None,
     block_tokens: int = LIVE_BLOCK_TOKENS,
+    window=None,
 ) -> tuple[Float[Array, "B T Hq D"], Float[Array, "B T Hq"]]:
   """The reference's output (and the lse), reading only live pages: an online softmax
   (flash-attention style) over blocks of ~`block_tokens` slots whose trip count is the live
@@ -192,8 +215,9 @@ def paged_attention_live_blocks(
   No probabilities: for callers that need none (the full cache, a compressed context).
 
   Two loops: blocks that every query sees whole (cached before the chunk, in every
-  sequence) skip the masks; only the remaining blocks (the chunk's own, the ragged ends)
-  are masked.
+  sequence, and within every query's `window`) skip the masks; only the remaining blocks
+  (the chunk's own, the ragged ends, the window's edge) are masked. Blocks below every
+  query's window are not read.
   """
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
@@ -210,6 +234,7 @@ def paged_attention_live_blocks(
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries
   q_BxKxQxD = _query_rows(q, hkv, scale)
   limit = jnp.repeat(_visible_limit(lengths, num_queries, t), g, axis=2)  # [B, Hkv, T*G]
+  floor = _visible_floor(limit, window)  # [B, Hkv, T*G]: the lowest slot each query sees
   width = ppb * s
 
   def load(j):  # K, V of block j: [B, Hkv, W, D] float32 each (dequantized block by block)
@@ -236,7 +261,7 @@ def paged_attention_live_blocks(
     slot = j * width + jnp.arange(width)  # [W]
     # Unused slots may hold NaN: V is zeroed there (0 * NaN would reach the output).
     v = jnp.where((slot < lengths[..., None])[..., None], v, 0.0)
-    visible = slot < limit[..., None]  # [B, Hkv, TG, W]
+    visible = (slot < limit[..., None]) & (slot >= floor[..., None])  # [B, Hkv, TG, W]
     logits = jnp.where(visible, jnp.einsum("bkqd,bknd->bkqn", q_BxKxQxD, k), _NEG_INF)
     return update(carry, logits, v, visible)
 
@@ -245,11 +270,18 @@ def paged_attention_live_blocks(
       jnp.zeros((b, hkv, t * g), jnp.float32),
       jnp.zeros((b, hkv, t * g, d), jnp.float32),
   )
-  # Slots below every sequence's chunk start are live and visible to every query.
-  whole_blocks = jnp.min(lengths - num_queries[:, None]) // width
+  # Slots below every sequence's chunk start, and from every query's window on, are live
+  # and visible to every query; blocks below every window are skipped.
+  live = jnp.arange(t)[None, :] < num_queries[:, None]  # [B, T]: real queries
+  live = jnp.repeat(live[:, None, :], g, axis=2)  # [B, Hkv, T*G]
+  first_block = jnp.min(jnp.where(live, floor, jnp.iinfo(jnp.int32).max)) // width
+  first_block = jnp.clip(first_block, 0, None)
+  whole_from = jnp.maximum(first_block, -(-jnp.max(jnp.where(live, floor, 0)) // width))
+  whole_to = jnp.maximum(whole_from, jnp.min(lengths - num_queries[:, None]) // width)
   live_blocks = -(-jnp.max(lengths) // width)
-  carry = jax.lax.fori_loop(0, whole_blocks, whole_block, init)
-  m_i, l_i, acc = jax.lax.fori_loop(whole_blocks, live_blocks, masked_block, carry)
+  carry = jax.lax.fori_loop(first_block, whole_from, masked_block, init)
+  carry = jax.lax.fori_loop(whole_from, whole_to, whole_block, carry)
+  m_i, l_i, acc = jax.lax.fori_loop(whole_to, live_blocks, masked_block, carry)
   # Padding queries saw the whole blocks too: they see nothing (zeros, lse +inf).
   query = jnp.arange(t)[None, :] < num_queries[:, None]  # [B, T]
   # l_i == 0: nothing visible. NaN (a NaN key or value) stays NaN in the output, never zeros.
@@ -626,9 +658,16 @@ def paged_attention(
     impl: str = "auto",
     interpret: Any = None,
     pages_per_block: int | None = None,
+    window=None,
 ):
   """Paged attention with the kernel where it runs (TPU; impl="auto") and the reference
   elsewhere; prefill chunks (T > 1) always take the reference.
+
+  `window` (an int or int32 scalar, may be traced; 0 or None = every earlier slot): each
+  query sees at most its `window` latest slots, itself included (a sliding-window layer,
+  whose slots hold consecutive positions). The kernels apply no window: a call with a
+  window > 0 takes the reference path (a sliding layer holds about its window, so it reads
+  little); with a traced window, `lax.cond` picks per call.
 
   impl="pallas" on a GPU runs the Triton variant (`paged_attention_pallas_gpu`; compiled,
   or in the generic interpreter with interpret=True); a `pltpu.InterpretParams` as
@@ -647,6 +686,29 @@ def paged_attention(
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
   check_page_table_range(page_table, k_pages.shape[0])
   arrays = (q, k_pages, v_pages, page_table, lengths, num_queries)
+  options = dict(
+      scale=scale,
+      per_query_head=per_query_head,
+      return_lse=return_lse,
+      return_probs=return_probs,
+      impl=impl,
+      interpret=interpret,
+      pages_per_block=pages_per_block,
+  )
+  if window is not None and use_pallas and q.shape[1] == 1:
+    if num_queries is None:  # both branches take the same arguments
+      arrays = (*arrays[:5], jnp.ones((q.shape[0],), jnp.int32))
+    reference = dict(options, impl="ref", interpret=None, pages_per_block=None)
+
+    def same_outputs(result):  # the kernel returns probabilities whether asked or not
+      return (result[0], result[1] if return_probs else None, *result[2:])
+
+    return jax.lax.cond(
+        jnp.asarray(window) > 0,
+        lambda *a: same_outputs(paged_attention(*a, **reference, window=window)),
+        lambda *a: same_outputs(paged_attention(*a, **options)),
+        *arrays,
+    )
   if use_pallas and q.shape[1] == 1:
     check_float_dtypes(q=q, k_pages=k_pages, v_pages=v_pages)
     kernel = paged_attention_pallas
@@ -663,7 +725,7 @@ def paged_attention(
         interpret=interpret,
     )
   if not return_probs and q.shape[1] > 1:
-    out, lse = paged_attention_live_blocks(*arrays, scale=scale)
+    out, lse = paged_attention_live_blocks(*arrays, scale=scale, window=window)
     return (out, None, lse) if return_lse else (out, None)
   if q.shape[1] == 1:
     return paged_attention_live_prefix(
@@ -672,12 +734,17 @@ def paged_attention(
         per_query_head=per_query_head,
         return_lse=return_lse,
         return_probs=return_probs,
+        window=window,
     )
-  result = paged_attention_reference(*arrays, scale=scale, per_query_head=per_query_head)
+  result = paged_attention_reference(
+      *arrays, scale=scale, per_query_head=per_query_head, window=window
+  )
   if not return_probs:
     result = (result[0], None)
   if return_lse:
-    lse = paged_attention_lse_reference(q, k_pages, page_table, lengths, num_queries, scale=scale)
+    lse = paged_attention_lse_reference(
+        q, k_pages, page_table, lengths, num_queries, scale=scale, window=window
+    )
     return (*result, lse)
   return result
 
@@ -717,8 +784,9 @@ def paged_attention_live_prefix(
     return_lse: bool = False,
     return_probs: bool = True,
     heads_per_step: int | None = None,
+    window=None,
 ):
-  """`paged_attention_reference` (and its lse) for one query per row, reading for each
+  """`paged_attention_reference` (and its lse) for one query per row (within `window`), reading for each
   group of `heads_per_step` kv heads (`prefix_heads_per_step` by default: one on CPU) only
   the narrowest prefix of their tables that holds their live pages in every row: a power
   of two of pages (`prefix_widths`), picked by a switch inside a loop over the groups. One
@@ -756,14 +824,16 @@ def paged_attention_live_prefix(
       q_g = jax.lax.dynamic_slice_in_dim(q, first * g, step * g, axis=2)  # [B, 1, step*G, D]
       args = (q_g, k_pages, v_pages, table, lens, num_queries)
       out, probs = paged_attention_reference(
-          *args, scale=scale, per_query_head=per_query_head
+          *args, scale=scale, per_query_head=per_query_head, window=window
       )  # [B, 1, step*G, D], [B, rows, 1, width * S]
       if return_probs:
         probs = jnp.pad(probs, ((0, 0), (0, 0), (0, 0), (0, n - width * s)))
       else:
         probs = jnp.zeros((), jnp.float32)
       lse = (
-          paged_attention_lse_reference(q_g, k_pages, table, lens, num_queries, scale=scale)
+          paged_attention_lse_reference(
+              q_g, k_pages, table, lens, num_queries, scale=scale, window=window
+          )
           if return_lse
           else jnp.zeros((b, 1, step * g), jnp.float32)
       )

@@ -19,9 +19,9 @@ def _paged_problem(rng, page_size, hkv, group, lengths, t, d=16, extra_pages=3):
   return paged_pool(rng, page_size, hkv, group, lengths, m, d, num_pages, t=t)
 
 
-def _dense_attention(q, dense_k, dense_v, lengths, num_queries, hkv):
+def _dense_attention(q, dense_k, dense_v, lengths, num_queries, hkv, window=0):
   """float64 attention over contiguous K/V: query t of row b sees its first
-  lengths[b] - num_queries[b] + t + 1 tokens."""
+  lengths[b] - num_queries[b] + t + 1 tokens (the last `window` of them, if > 0)."""
   b, t, hq, d = q.shape
   group = hq // hkv
   out = np.zeros((b, t, hq, d))
@@ -31,13 +31,14 @@ def _dense_attention(q, dense_k, dense_v, lengths, num_queries, hkv):
       visible = lengths[bi] - num_queries[bi] + ti + 1
       for hi in range(hq):
         kv = hi // group
-        k = dense_k[bi, kv][:visible].astype(np.float64)
-        v = dense_v[bi, kv][:visible].astype(np.float64)
+        first = max(0, visible - window) if window else 0
+        k = dense_k[bi, kv][first:visible].astype(np.float64)
+        v = dense_v[bi, kv][first:visible].astype(np.float64)
         logits = k @ q[bi, ti, hi].astype(np.float64) / np.sqrt(d)
         p = np.exp(logits - logits.max())
         p /= p.sum()
         out[bi, ti, hi] = p @ v
-        probs[bi, kv, ti, :visible] += p
+        probs[bi, kv, ti, first:visible] += p
   return out, probs
 
 
@@ -67,6 +68,52 @@ def test_matches_dense_attention_with_nan_poisoned_pool(page_size, group, length
   np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
   np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5, rtol=0)
   assert (probs[..., max(lengths) :] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "page_size, lengths, t, window",
+    [
+        (4, [13, 6, 20], 5, 3),  # a window narrower than the chunk
+        (4, [13, 6, 20], 5, 8),  # the window's edge inside a page, before the chunk
+        (1, [9, 30], 4, 7),
+        (16, [40, 3], 6, 17),  # a window past some rows' lengths: everything visible
+        (4, [13, 6, 20], 1, 5),  # decode
+    ],
+)
+def test_a_sliding_window_sees_only_its_latest_keys_on_every_reference_path(
+    page_size, lengths, t, window
+):
+  """The reference, its lse, the live-blocks loop and the live prefix agree with dense
+  attention over each query's last `window` keys (a traced window too); window 0 is full."""
+  from pallas_kernels.paged_attention import (
+      paged_attention,
+      paged_attention_live_blocks,
+      paged_attention_lse_reference,
+  )
+
+  rng = np.random.default_rng(window * 10 + t)
+  hkv = 2
+  q, kp, vp, table, lens, dk, dv = _paged_problem(rng, page_size, hkv, 3, lengths, t)
+  num = np.minimum(np.full((len(lengths),), t, np.int32), lengths)
+  want_out, want_probs = _dense_attention(q, dk, dv, lengths, num, hkv, window)
+  out, probs = jax.jit(paged_attention_reference)(q, kp, vp, table, lens, num, window=window)
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5, rtol=0)
+  lse = paged_attention_lse_reference(q, kp, table, lens, num, window=window)
+  for block_tokens in (1, 8, 512):
+    got, got_lse = paged_attention_live_blocks(
+        q, kp, vp, table, lens, num, window=jnp.int32(window), block_tokens=block_tokens
+    )
+    np.testing.assert_allclose(got, want_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_lse, lse, atol=1e-5, rtol=0)
+  traced = jax.jit(
+      lambda w: paged_attention(q, kp, vp, table, lens, num, return_lse=True, window=w)
+  )
+  got, got_probs, got_lse = traced(jnp.int32(window))  # decode: the live prefix
+  np.testing.assert_allclose(got, want_out, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(got_lse, lse, atol=1e-5, rtol=0)
+  full_out, _ = _dense_attention(q, dk, dv, lengths, num, hkv)
+  np.testing.assert_allclose(traced(jnp.int32(0))[0], full_out, atol=1e-5, rtol=0)
 
 
 def test_ragged_queries_padding_rows_are_zero():
@@ -325,3 +372,25 @@ def test_the_live_prefix_reads_one_query_per_row_only():
     paged_attention_live_prefix(
         *map(jnp.asarray, (q[:, :1], kp, vp, table, lens)), heads_per_step=3
     )
+
+
+def test_a_windowed_decode_on_the_kernel_path_takes_the_reference_only_where_windowed():
+  """impl='pallas' with a traced window: a sliding layer (window > 0) is answered by the
+  reference, a full layer (window 0) by the kernel (TPU interpreter), each exactly."""
+  import kernel_helpers as kh
+  from pallas_kernels.paged_attention import paged_attention
+
+  rng = np.random.default_rng(3)
+  lengths, hkv = [13, 6, 20], 2
+  q, kp, vp, table, lens, dk, dv = _paged_problem(rng, 4, hkv, 3, lengths, 1)
+  num = np.ones((3,), np.int32)
+  run = jax.jit(
+      lambda w: paged_attention(
+          q, kp, vp, table, lens, num, impl="pallas", interpret=kh.kernel_interpret(), window=w
+      )
+  )
+  for window in (5, 0):
+    out, probs = run(jnp.int32(window))
+    want_out, want_probs = _dense_attention(q, dk, dv, lengths, num, hkv, window)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(probs[..., : max(lengths)], want_probs, atol=1e-5, rtol=0)
