@@ -53,6 +53,16 @@ _GEMMA3_NAMES = TensorNames(
 # llama.cpp's Gemma 3: five sliding layers then a full one, local RoPE base 1e4 (its loader
 # fixes both; the files record neither).
 GEMMA3_PATTERN, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
+def _gemma3_turns(md: dict[str, Any]) -> dict[str, Any]:
+  """A Gemma 3 file's metadata with what llama.cpp supplies where it is missing: the end of
+  a turn (`<end_of_turn>`, found by name as llama.cpp finds it). The chat template is the
+  file's: instruction-tuned files carry Gemma's; a base model's (the 270M's) carries none,
+  and it completes text."""
+  md = dict(md)
+  tokens = md.get("tokenizer.ggml.tokens") or []
+  if "tokenizer.ggml.eot_token_id" not in md and "<end_of_turn>" in tokens:
+    md["tokenizer.ggml.eot_token_id"] = list(tokens).index("<end_of_turn>")
+  return md
 
 
 def open_gguf(path: str | os.PathLike):
@@ -69,8 +79,10 @@ def open_gguf(path: str | os.PathLike):
 
 
 def read_metadata(reader) -> dict[str, Any]:
-  """All GGUF key/value fields as plain Python values (str, int, float, bool, lists)."""
-  return {k: f.contents() for k, f in reader.fields.items()}
+  """All GGUF key/value fields as plain Python values (str, int, float, bool, lists); for
+  Gemma 3, with what llama.cpp supplies where the file lacks it (`_gemma3_turns`)."""
+  md = {k: f.contents() for k, f in reader.fields.items()}
+  return _gemma3_turns(md) if md.get("general.architecture") == "gemma3" else md
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

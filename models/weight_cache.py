@@ -31,7 +31,7 @@ from kvjax_store.files import arrays_digest
 from .config import ModelConfig, check_params
 from .source import ModelSource
 
-FORMAT = "kvjax-weights/2"
+FORMAT = "kvjax-weights/3"  # 3: model families (config fields), the tokenizer's add_bos
 
 
 def entry_dir(weights: Path, source: ModelSource) -> Path:
@@ -87,6 +87,7 @@ def load(path: Path):
     tokenizer = Tokenizer.from_json(
         meta["tokenizer"]["json"],
         bos_id=meta["tokenizer"]["bos_id"],
+        add_bos=bool(meta["tokenizer"].get("add_bos", False)),
         eos_ids=meta["tokenizer"]["eos_ids"],
         chat_template=meta["tokenizer"]["chat_template"],
     )
@@ -113,6 +114,7 @@ def store(path: Path, source: ModelSource, config: ModelConfig, params, tokenize
       "tokenizer": {
           "json": tokenizer.tok.to_str(),
           "bos_id": tokenizer.bos_id,
+          "add_bos": tokenizer.add_bos,
           "eos_ids": list(tokenizer.eos_ids),
           "chat_template": tokenizer.chat_template,
       },

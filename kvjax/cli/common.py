@@ -64,6 +64,14 @@ def model_source(name: str) -> str:
   return str(source.path.resolve())
 
 
+def wants_chat(args, tokenizer) -> bool:
+  """`--chat`/`--no-chat` as given; unset, on where the model has a chat template
+  (instruction-tuned models carry one; a base model completes text)."""
+  if args.chat is not None:
+    return args.chat
+  return getattr(tokenizer, "chat_template", None) is not None
+
+
 def load_model(name: str):
   """The model and tokenizer; an unknown name or a missing file fails before "loading"."""
   import jax

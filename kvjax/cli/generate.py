@@ -42,8 +42,9 @@ def _add_generate_parser(subparsers) -> None:
   gen.add_argument(
       "--chat",
       action=argparse.BooleanOptionalAction,
-      default=True,
-      help="wrap the prompt in the model's chat template (default: on)",
+      default=None,
+      help="wrap the prompt in the model's chat template (default: on where the model has one; "
+      "instruction-tuned models carry one, base models complete text)",
   )
   gen.add_argument(
       "--json", action="store_true", help="print one JSON object with text, tokens, stats"
@@ -122,7 +123,7 @@ def _generate(args) -> int:
   options = dict(
       max_new_tokens=args.max_new_tokens,
       sampling=sampling,
-      chat=args.chat,
+      chat=common.wants_chat(args, tokenizer),
       seed=args.seed,
       progress=common.prefill_bar(args),
       mesh=mesh,

@@ -38,8 +38,9 @@ def _add_prefill_parser(subparsers) -> None:
   keep.add_argument(
       "--chat",
       action=argparse.BooleanOptionalAction,
-      default=True,
-      help="the context opens a chat user message; questions close it (default: on)",
+      default=None,
+      help="the context opens a chat user message; questions close it (default: on where the "
+      "model has a chat template)",
   )
   keep.add_argument("--seed", type=int, default=0, help="seed of random eviction")
   keep.add_argument("--json", action="store_true", help="print one JSON object with stats")
@@ -90,6 +91,7 @@ def _prefill_and_save(args) -> int:
     raise ValueError(f"--context {args.context} is empty")
   model, tokenizer = common.load_model(args.model)
   check_spec_model(args, model, spec)
+  args.chat = common.wants_chat(args, tokenizer)
   prompt = context_prompt(tokenizer, tokenizer.encode(text), args.chat)
   tokens = [t for segment in prompt for t in segment.text]  # ids (context_prompt encodes)
   if len(tokens) > model.config.max_context:

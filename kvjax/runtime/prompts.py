@@ -92,11 +92,19 @@ def _is_token_ids(prompt) -> bool:
 
 
 def encode_prompts(
-    tokenizer, prompts, *, chat: bool, vocab_size: int, allow_empty: bool = False
+    tokenizer,
+    prompts,
+    *,
+    chat: bool,
+    vocab_size: int,
+    allow_empty: bool = False,
+    start: bool = True,
 ) -> EncodedPrompts:
   """Encodes str / token-id (list or 1-D array) / `Segment`-list prompts. With `chat`, the
   chat template wraps the text and its own tokens (system prompt, role markers) are
-  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only).
+  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only). A text
+  prompt that `start`s a sequence begins with the tokenizer's BOS where its `add_bos` says
+  so (Gemma's), protected, unless the chat template wrote it; token ids are used as given.
   Prompts encoded already (`generate` checks them before `prefill`) are used as they are."""
   if isinstance(prompts, EncodedPrompts):
     return prompts
@@ -110,7 +118,8 @@ def encode_prompts(
   for i, prompt in enumerate(prompts):
     if isinstance(prompt, (str, Segment)):
       prompt = [prompt]
-    if _is_token_ids(prompt):
+    given_ids = _is_token_ids(prompt)
+    if given_ids:
       row = [int(t) for t in np.asarray(prompt).reshape(-1)]
       pieces = [(row, False, 0)]
     elif allow_empty and len(prompt) == 0:
@@ -149,6 +158,11 @@ def encode_prompts(
       row_ids += piece
       row_protected += [is_protected] * len(piece)
       row_segment += [seg] * len(piece)
+    bos = getattr(tokenizer, "bos_id", None)
+    if start and not given_ids and pieces and getattr(tokenizer, "add_bos", False):
+      if row_ids[:1] != [bos]:
+        row_ids, row_protected = [bos, *row_ids], [True, *row_protected]
+        row_segment = [0, *row_segment]
     bad = [t for t in row_ids if not 0 <= t < vocab_size]
     if bad:
       raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")

@@ -151,7 +151,7 @@ def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False
     _check_placement(model, state.cache.mesh)
   shape = ModelShape.of(model)
   encoded = encode_prompts(
-      tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True
+      tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True, start=False
   )
   if len(encoded.ids) != state.batch_size:
     raise ValueError(f"prompts has {len(encoded.ids)} rows; the state has {state.batch_size}")

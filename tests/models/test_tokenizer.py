@@ -135,7 +135,9 @@ def test_pre_tokenizer_families(metadata, pre, pieces):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model='llama'"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model='bert' is not supported"),
+        # A SentencePiece vocabulary without its byte pieces cannot fall back to bytes.
+        ({"tokenizer.ggml.model": "llama"}, "byte pieces"),
         ({"tokenizer.ggml.pre": "deepseek-coder"}, "tokenizer.ggml.pre='deepseek-coder'"),
         ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges"),
     ],
