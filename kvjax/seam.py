@@ -65,6 +65,9 @@ class ModelShape:
   vocab_size: int
   max_context: int
   dtype: str  # the model's parameter dtype: the cache's default K/V dtype
+  # Per layer, a sliding layer's window (0: a full layer); from the optional
+  # `config.layer_windows`, empty without it.
+  windows: tuple[int, ...] = ()
 
   @classmethod
   def of(cls, model) -> "ModelShape":
@@ -85,12 +88,16 @@ class ModelShape:
             f"(a kvjax model's config has {', '.join(_SHAPE_FIELDS)})"
         )
       values[name] = value
-    # Sliding-window layers (`config.layer_windows`, optional: 0 = every earlier key) are
-    # exact while a sequence fits the narrowest window, where they attend to everything;
-    # the cache does not apply windows yet, so that is the usable context.
-    windows = [w for w in getattr(config, "layer_windows", ()) if w]
-    if windows:
-      values["max_context"] = min(values["max_context"], *windows)
+    windows = tuple(getattr(config, "layer_windows", None) or ())
+    if windows and (
+        len(windows) != values["n_layers"]
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows)
+    ):
+      raise TypeError(
+          f"{type(model).__name__}.config.layer_windows must give an int >= 0 (0: a full "
+          f"layer) for each of its {values['n_layers']} layers, got {windows!r}"
+      )
+    values["windows"] = windows if any(windows) else ()
     floats = [
         x.dtype
         for x in jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -136,6 +143,8 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
 
   def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer, *gram):
     cache = append_layer(cache, layer, k, v, positions, num_new, protected, segment)
+    windows = cache.config.windows
+    window = jnp.asarray(windows, jnp.int32)[layer] if any(windows) else None
     out, probs, *lse = paged_attention(
         q,
         cache.k_pages,
@@ -149,6 +158,7 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
         # instead of the whole page table.
         return_probs=want_probs,
         impl=attention_impl,
+        window=window,
     )
     if policy is not None:
       head_probs = probs if per_head else None
@@ -200,6 +210,12 @@ def forward(
     raise ValueError(
         f"cache has {cache.num_layers} layers x {cache.num_kv_heads} kv heads; the model "
         f"needs {shape.n_layers} x {shape.n_kv_heads}"
+    )
+  if cache.config.windows != shape.windows:
+    raise ValueError(
+        f"the model's sliding windows per layer are {shape.windows or 'none'}; the cache's "
+        f"are {cache.config.windows or 'none'} (make it with CacheConfig(windows=...) from "
+        "the model's config.layer_windows)"
     )
   reads = frozenset() if policy is None else policy.reads
   attend_here = _layer_attention(model, policy, reads, attention_impl)

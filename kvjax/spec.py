@@ -13,10 +13,19 @@ import dataclasses
 import math
 import os
 
+import numpy as np
+
 from kvjax.eviction.allocation import HeadAllocation
 from kvjax.cache.config import GROUP_REDUCTIONS, CacheConfig
 from kvjax.cache.pages import pages_for, whole_pages
-from kvjax.cache.sizing import capacity_bucket, layer_pages, margin, min_budget, peak_tokens
+from kvjax.cache.sizing import (
+    capacity_bucket,
+    layer_pages,
+    margin,
+    min_budget,
+    peak_tokens,
+    window_peak,
+)
 from kvjax._checks import check_int, is_int
 from pallas_kernels.page_format import KV_DTYPES
 from kvjax.policies import Full, Policy, get_policy
@@ -420,9 +429,14 @@ class CompressionSpec:
     # powers of two bound the number of compilations.
     chunk = self.prefill_chunk or (512 if not self.evicts and capacity > 2048 else 256)
     chunk = min(chunk, 1 << (max(longest, 1) - 1).bit_length())
+    windows = shape.windows  # sliding layers hold their window, whatever the policy
     if not self.evicts:
       cfg = CacheConfig(
-          page_size=ps, max_tokens=capacity, group_reduce=self.group_reduce, dtype=dtype
+          page_size=ps,
+          max_tokens=capacity,
+          group_reduce=self.group_reduce,
+          dtype=dtype,
+          windows=windows,
       )
       return CachePlan(cfg, None, min(chunk, capacity), self)
     if self.auto:  # nominal: nothing is evicted before the whole context is scored
@@ -439,7 +453,9 @@ class CompressionSpec:
         group_size=group,
         group_reduce=self.group_reduce,
         dtype=dtype,
+        windows=windows,
     )
+    sliding = np.asarray(windows or (0,) * n)  # [L]: a layer's window, 0 when full
     if self.once:
       # The whole context is prefilled before it is scored: the pool holds all of it, and
       # the session compacts it once the context is compressed.
@@ -450,9 +466,13 @@ class CompressionSpec:
           capacity_bucket(longest + room, ps, shape.max_context),
           whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps),
       )
-      cfg = CacheConfig(
-          max_tokens=capacity, num_pages=batch * n * h * pages_for(capacity, ps) + 1, **common
+      # A sliding layer holds its window, and a reconstruction pass on top of it.
+      held = np.where(
+          sliding > 0,
+          pages_for(np.minimum(window_peak(sliding, ps, max(chunk, room)), capacity), ps),
+          pages_for(capacity, ps),
       )
+      cfg = CacheConfig(max_tokens=capacity, num_pages=batch * h * int(held.sum()) + 1, **common)
       # Observes (its scores fill) but never evicts while the context is read.
       eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
       return CachePlan(cfg, eviction, chunk, self)
@@ -474,6 +494,8 @@ class CompressionSpec:
     pages_per_layer = layer_pages(
         budgets, peaks, heads=h, shared=per_head, page_size=ps, request=request
     )
+    window_pages = h * pages_for(np.minimum(window_peak(sliding, ps, chunk), request), ps)
+    pages_per_layer = np.where(sliding > 0, window_pages, pages_per_layer)
     num_pages = batch * int(pages_per_layer.sum()) + 1
     cfg = CacheConfig(max_tokens=capacity, num_pages=num_pages, **common)
     eviction = EvictionPlan(

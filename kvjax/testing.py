@@ -15,6 +15,7 @@ __all__ = [
     "assert_cache_invariants",
     "assert_compressed_once",
     "counting_traces",
+    "tiny_gemma3",
     "tiny_hf_checkpoint",
     "tiny_llama",
 ]
@@ -117,6 +118,44 @@ def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0
     if name.endswith((".wq", ".wk")):
       params[name] = params[name] * qk_scale
   return Llama.from_params(config, params, dtype=dtype)
+
+
+def tiny_gemma3(
+    vocab_size=259, window=8, n_layers=3, max_context=256, seed=0, qk_scale=1.0, dtype="float32"
+):
+  """A random Gemma 3 (d_model 32, 4 query / 2 kv heads, head_dim 8) whose layers slide a
+  `window` except every third (a full one), as Gemma 3's five of six do; weights as
+  `tiny_llama`'s."""
+  from models import ModelConfig
+  from models.gemma3 import Gemma3
+
+  config = ModelConfig(
+      vocab_size=vocab_size,
+      d_model=32,
+      n_layers=n_layers,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      ffn_dim=64,
+      max_context=max_context,
+      tie_embeddings=True,
+      name="tiny-gemma3",
+      family="gemma3",
+      qk_norm=True,
+      sliding_window=window,
+      layer_types=tuple("full" if i % 3 == 2 else "sliding" for i in range(n_layers)),
+      rope_theta=1e6,
+      rope_local_theta=1e4,
+  )
+  rng = np.random.default_rng(seed)
+  params = {
+      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.3, shape)
+      for name, shape in config.param_shapes().items()
+  }
+  for name in params:
+    if name.endswith((".wq", ".wk")):
+      params[name] = params[name] * qk_scale
+  return Gemma3.from_params(config, params, dtype=dtype)
 
 
 def tiny_hf_checkpoint(path, seed: int = 0, nan: bool = False):

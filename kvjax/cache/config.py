@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.cache.pages import pages_for
-from kvjax.cache.sizing import margin, min_budget
+from kvjax.cache.sizing import margin, min_budget, window_peak
 from pallas_kernels.group_importance import REDUCTIONS as GROUP_REDUCTIONS
 from pallas_kernels.page_format import KV_DTYPES
 
@@ -31,6 +31,10 @@ class CacheConfig:
       `threshold` plus one chunk (with eviction), see `pool_pages`.
     dtype: storage dtype of K and V: a float dtype, or int8/int4 (quantized pages with a
       float16 scale and zero per group of channels of each token, `pallas_kernels.page_format`).
+    windows: per layer, the keys a query of a sliding-window layer sees (itself included),
+      0 for a layer that sees every earlier key; empty: every layer full. A sliding layer
+      holds only what its window needs: its oldest whole pages are freed as the sequence
+      moves on (`kvjax.eviction.slide`), and no policy evicts from it.
   """
 
   page_size: int = 16
@@ -43,6 +47,7 @@ class CacheConfig:
   group_reduce: str = "mean"
   num_pages: int | None = None
   dtype: str = "float32"
+  windows: tuple[int, ...] = ()
 
   def __post_init__(self):
     def fail(msg):
@@ -66,6 +71,12 @@ class CacheConfig:
     if group_size not in (1, self.page_size):
       fail(f"group_size must be 1 or page_size={self.page_size}, got {self.group_size!r}")
     object.__setattr__(self, "group_size", group_size)
+    if isinstance(self.windows, (str, bytes)) or not hasattr(self.windows, "__iter__"):
+      fail(f"windows must be a tuple of ints >= 0, got {self.windows!r}")
+    windows = tuple(self.windows)
+    if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows):
+      fail(f"windows must be a tuple of ints >= 0 (0: a full layer), got {self.windows!r}")
+    object.__setattr__(self, "windows", windows)
 
     if self.budget is None:
       if self.threshold is not None:
@@ -121,15 +132,25 @@ class CacheConfig:
     """Smallest budget that eviction can always reach with sink and recent protected."""
     return min_budget(self.page_size, self.sink, self.recent, self.group_size)
 
-  def pages_per_sequence(self, chunk: int = 1) -> int:
-    """Pages one sequence can hold at its peak when appending `chunk` tokens at a time."""
-    if not self.evicts:
-      return self.max_pages
-    peak = min(self.threshold + chunk, self.max_tokens)
+  @property
+  def sliding(self) -> bool:
+    """Whether any layer has a sliding window."""
+    return any(self.windows)
+
+  def pages_per_sequence(self, chunk: int = 1, window: int = 0) -> int:
+    """Pages one sequence can hold at its peak when appending `chunk` tokens at a time (on
+    a layer of that `window`, 0 for a full one)."""
+    peak = self.max_tokens if not self.evicts else min(self.threshold + chunk, self.max_tokens)
+    if window:
+      peak = min(window_peak(window, self.page_size, chunk), self.max_tokens)
     return pages_for(peak, self.page_size)
 
   def pool_pages(self, num_sequences: int, chunk: int = 1) -> int:
-    """Physical pages (null page included) needed by `num_sequences` sequences."""
+    """Physical pages (null page included) needed by `num_sequences` sequences (spread
+    evenly over the layers, when `windows` gives them)."""
     if self.num_pages is not None:
       return self.num_pages
-    return num_sequences * self.pages_per_sequence(chunk) + 1
+    if not self.windows:
+      return num_sequences * self.pages_per_sequence(chunk) + 1
+    per_layer = num_sequences // len(self.windows)
+    return sum(per_layer * self.pages_per_sequence(chunk, w) for w in self.windows) + 1

@@ -160,15 +160,24 @@ class PageTable:
     return pages.replace(table=table, length=length), ids
 
   def window(
-      self, entries: Int[Array, " W"], length: Int[Array, "L B H"], width: int
+      self, entries: Int[Array, "#L E"], length: Int[Array, "L B H"], width: int
   ) -> "PageTable":
     """A table of `width` entries in which every sequence owns only its logical pages
-    `entries` (the same for every sequence, in that order; an entry a sequence does not own
-    reads as the null page), holding `length` tokens, which must be exactly the tokens of
-    those pages (so a sequence still owns its first `pages_for(length)` entries). The pages
-    stay where they are: a window shares the pool and the free stack, what is appended to it
-    allocates as usual, and `unwindow` puts this table back once that is cut away."""
-    picked = jnp.take(self.table, jnp.asarray(entries), axis=-1, mode="fill", fill_value=NULL_PAGE)
+    `entries` (the same for every sequence of a layer, [E] or per layer [L, E], in that
+    order; an entry a sequence does not own, or past its table, reads as the null page),
+    holding `length` tokens, which must be exactly the tokens of those pages (so a sequence
+    still owns its first `pages_for(length)` entries). The pages stay where they are: a
+    window shares the pool and the free stack, what is appended to it allocates as usual,
+    and `unwindow` puts this table back once that is cut away."""
+    entries = jnp.asarray(entries)
+    if entries.ndim == 1:
+      entries = jnp.broadcast_to(entries, (self.table.shape[0], entries.shape[0]))
+    index = jnp.broadcast_to(
+        entries[:, None, None, :], (*self.table.shape[:-1], entries.shape[-1])
+    )
+    picked = jnp.take_along_axis(
+        self.table, index, axis=-1, mode="fill", fill_value=NULL_PAGE
+    )
     pad = [(0, 0)] * (picked.ndim - 1) + [(0, width - picked.shape[-1])]
     return self.replace(table=jnp.pad(picked, pad, constant_values=NULL_PAGE), length=length)
 

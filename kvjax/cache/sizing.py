@@ -53,6 +53,13 @@ def peak_tokens(budget, margin_tokens, chunk: int, floor=0):
   return int(peak) if np.ndim(peak) == 0 else peak
 
 
+def window_peak(window, page_size: int, chunk: int):
+  """Tokens a sliding layer's sequence holds at its peak: the `window - 1` latest a next
+  query sees besides itself, up to a page more (whole pages are freed: `slide`), and one
+  chunk appended before they are. Ints or NumPy arrays."""
+  return window - 1 + page_size - 1 + chunk
+
+
 def layer_pages(budget, peak, *, heads: int, shared: bool, page_size: int, request: int):
   """Pages one row's layer needs at its peak, for a sequence's `budget` and its `peak`
   tokens (`peak_tokens`; ints, or NumPy arrays of one per layer): each of its `heads`

@@ -9,6 +9,8 @@
                  fair eviction over marked segments, and the `EvictionPlan` compiled steps carry
     allocation   `HeadAllocation`: learned per-(layer, kv head) offsets applied before a
                  global ranking (made by `kvjax tune`)
+    sliding      `slide`: a sliding-window layer frees the pages its window has passed;
+                 `full_layers`, the layers policies compress
 """
 
 from kvjax.eviction.allocation import HeadAllocation
@@ -23,6 +25,7 @@ from kvjax.eviction.budgets import (
     layer_budgets,
 )
 from kvjax.eviction.fixed_shape import evict, protection_mask, truncate
+from kvjax.eviction.sliding import full_layers, slide
 
 __all__ = [
     "ADAKV_FLOOR",
@@ -33,8 +36,10 @@ __all__ = [
     "evict",
     "evict_once",
     "fair_scores",
+    "full_layers",
     "head_budgets",
     "layer_budgets",
     "protection_mask",
+    "slide",
     "truncate",
 ]

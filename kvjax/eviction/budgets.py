@@ -17,9 +17,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.paged_cache import PagedKVCache, logical_view, valid_mask
 from kvjax.eviction.fixed_shape import evict, lowest, protection_mask
+from kvjax.eviction.sliding import full_layers
 from kvjax.sharding import all_heads, any_shard, constrain, my_heads, on_shards
 
 BUDGET_SCHEDULES = ("uniform", "pyramid")
+_NEVER = jnp.iinfo(jnp.int32).max // 2  # a threshold no sequence passes
 
 
 class TokenScores(Protocol):
@@ -154,11 +156,13 @@ class EvictionPlan:
       return cache
     budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
     margin = cfg.margin
+    full = full_layers(cache)  # sliding layers hold their window: no policy evicts there
     if self.per_head:
       length = all_heads(cache.length, axis=2)  # a sharded cache: every kv head of the row
       needs = length.sum(-1) > length.shape[2] * (budget[:, None] + margin)  # [L, B]
+      needs &= full[:, None]
     else:
-      needs = cache.length > budget[:, None, None] + margin
+      needs = (cache.length > budget[:, None, None] + margin) & full[:, None, None]
 
     def run(cache):
       scores = self.policy.scores(cache, key)
@@ -166,10 +170,13 @@ class EvictionPlan:
       if self.fair:
         scores = fair_scores(scores, logical_view(cache, cache.slot("segment")), valid)
       if not self.per_head:
-        return evict(cache, scores=scores, budget=budget[:, None, None], impl=self.impl)
+        threshold = jnp.where(full, budget + margin, _NEVER)[:, None, None]
+        return evict(
+            cache, scores=scores, budget=budget[:, None, None], threshold=threshold, impl=self.impl
+        )
       head_budget = head_budgets(scores, protection_mask(cache), valid, budget, "layer")
       # Evict every head of a triggered layer to its share; leave the others alone.
-      limit = jnp.where(needs[..., None], head_budget, jnp.iinfo(jnp.int32).max // 2)
+      limit = jnp.where(needs[..., None], head_budget, _NEVER)
       return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)
 
     # Only sequences past their threshold shrink, so a shard may decide alone; but a budget
@@ -188,14 +195,17 @@ def evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, im
     ranked = policy.scores(cache, key)
     if allocation is not None:
       ranked = allocation.rank(ranked)
+    # Sliding layers hold their window: outside every ranking, and never evicted here.
+    full = full_layers(cache)
     counts = head_budgets(
         ranked,
         protection_mask(cache),
-        valid_mask(cache),
-        jnp.full((cache.num_layers,), cache.config.budget, jnp.int32),
+        valid_mask(cache) & full[:, None, None, None],
+        jnp.where(full, cache.config.budget, 0).astype(jnp.int32),
         sharing,
         threshold=threshold if auto else None,
     )
+    counts = jnp.where(full[:, None, None], counts, _NEVER)
     return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
 
   return constrain(on_shards(evict_here, cache, threshold, key, specs=(P(), P())))

@@ -112,7 +112,7 @@ class KVzip(Policy):
             **options,
         )
       else:
-        state = reader.read(state.replace(position=position), rows, **options)
+        state = reader.read(state.replace(position=position), rows, scratch=True, **options)
         state = reader.cut(state, context_length)
     return state.replace(logits=logits, position=position)
 

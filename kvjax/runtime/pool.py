@@ -39,6 +39,11 @@ def fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
   held = pages.pages_for(length, ps)
   shard_total = lambda x: x.sum(axis=(1, 2, 3))  # noqa: E731
   eviction = state.plan.eviction
+  # A sliding layer's sequence never holds more than its window's peak (`slide`).
+  window = np.asarray(cfg.windows or (0,) * cache.num_layers)[:, None, None]  # [L, 1, 1]
+  bounded = lambda tokens: np.where(  # noqa: E731
+      window > 0, np.minimum(tokens, sizing.window_peak(window, ps, state.plan.chunk)), tokens
+  )
   if eviction is not None:
     # Eviction holds a sequence at its peak (`kvjax.cache.sizing.peak_tokens`; x heads when they
     # share the layer's budget); a sequence already past it (protected tokens are never
@@ -46,7 +51,7 @@ def fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     heads = cache.num_kv_heads if eviction.per_head else 1
     budget = np.asarray(eviction.layer_budget)[:, None, None] * heads  # [L, 1, 1]
     peak = sizing.peak_tokens(budget, cfg.margin * heads, state.plan.chunk, floor=length)
-    target = np.minimum(length + more, peak)
+    target = bounded(np.minimum(length + more, peak))
     needed = shard_total(np.maximum(pages.pages_for(target, ps) - held, 0))
     capacity = max(cfg.max_tokens, pages.whole_pages(int(target.max()), ps))
     if (needed <= num_free).all() and capacity == cfg.max_tokens:
@@ -54,13 +59,15 @@ def fit(state: State, shape: ModelShape, more: int, donate: bool) -> State:
     return grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
   longest = int(length.max())
   capacity = cfg.max_tokens
-  needed = shard_total(pages.pages_for(length + more, ps) - held)
+  needed = shard_total(np.maximum(pages.pages_for(bounded(length + more), ps) - held, 0))
   if longest + more <= capacity and (needed <= num_free).all():
     return state
   room = sizing.growth_room(more, capacity)
   if longest + more > capacity:
     capacity = sizing.capacity_bucket(longest + room, ps, shape.max_context)
-  needed = shard_total(pages.pages_for(np.minimum(length + room, capacity), ps) - held)
+  needed = shard_total(
+      np.maximum(pages.pages_for(bounded(np.minimum(length + room, capacity)), ps) - held, 0)
+  )
   return grow(state, capacity, int(np.maximum(needed - num_free, 0).max()))
 
 

@@ -21,6 +21,8 @@ from kvjax import sharding as shards
 from kvjax.cache.paged_cache import WARNINGS, NumericsError, PagedKVCache, Status, check_status, to_host
 from kvjax.runtime.compilation import compile_ahead, compile_stats, compiled
 from kvjax.eviction.fixed_shape import truncate as truncate_cache
+from kvjax.eviction.sliding import full_layers, slide as slide_windows
+from kvjax.cache.sizing import window_peak
 from kvjax.cache.pages import pages_for
 from kvjax.runtime.prompts import EncodedPrompts
 from kvjax.runtime.sampling import Sampling, greedy_token, sample
@@ -34,11 +36,20 @@ def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:
   return shards.on_shards(eviction.apply, cache, key, specs=(P(),))
 
 
+def _slide(cache: PagedKVCache) -> PagedKVCache:
+  """Sliding-window layers free the pages their windows have passed (`slide`), per shard."""
+  if not cache.config.sliding:
+    return cache
+  return shards.on_shards(slide_windows, cache)
+
+
 def _policy(plan: CachePlan):
   return None if plan.eviction is None else plan.eviction.policy
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames="cache")
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "plan", "slide"), donate_argnames="cache"
+)
 def _prefill_chunk(
     params,
     cache,
@@ -56,11 +67,13 @@ def _prefill_chunk(
     *,
     graphdef,
     plan,
+    slide=True,
 ):
   """One prefill chunk; returns the rows' last logits (the logits at `logits_at` where the
   row's prompt `ends_here`), the cache after eviction, and the peak of pages held (before
   eviction). The bookkeeping between chunks is done here, not by eager ops: each of those
-  would compile a small program in a fresh process."""
+  would compile a small program in a fresh process. Sliding layers free what their window
+  passed, unless not `slide` (a scratch read that is cut away again)."""
   model = nnx.merge(graphdef, params)
   logits, cache = forward(
       model,
@@ -79,6 +92,8 @@ def _prefill_chunk(
   # The sum in the carried dtype: an int64 sum (jax_enable_x64) would change the next
   # chunk's argument types and compile the step again.
   peak = jnp.maximum(peak, cache.pages_in_use().sum(dtype=peak.dtype))
+  if slide:
+    cache = _slide(cache)
   if plan.eviction is not None:
     cache = _evict(plan.eviction, cache, jax.random.fold_in(key, key_offset))
   last_logits = jnp.where(ends_here[:, None], logits, last_logits)
@@ -107,10 +122,17 @@ def check(cache: PagedKVCache, logits, step: str) -> None:
 
 
 def prefill_chunks(
-    model, state: State, encoded: EncodedPrompts, key, progress=None, step: str = "prefill"
+    model,
+    state: State,
+    encoded: EncodedPrompts,
+    key,
+    progress=None,
+    step: str = "prefill",
+    slide: bool = True,
 ) -> State:
   """Chunked prefill of `encoded` after each row's current position (donates `state`);
-  `progress(tokens_read, tokens_total)` after each chunk; `step` names it in errors."""
+  `progress(tokens_read, tokens_total)` after each chunk; `step` names it in errors;
+  `slide`: whether sliding layers free what their windows passed (not in a scratch read)."""
   plan, chunk = state.plan, state.plan.chunk
   graphdef, params = nnx.split(model)
   lengths = encoded.lengths
@@ -120,7 +142,7 @@ def prefill_chunks(
   ids, protected, segment = encoded.padded(-(-int(lengths.max()) // chunk) * chunk)
   # The peak stays on device: reading it per chunk would stall dispatch of the next chunk.
   last_logits, cache, peak = state.logits, state.cache, state.peak_pages
-  statics = {"graphdef": graphdef, "plan": plan}
+  statics = {"graphdef": graphdef, "plan": plan, "slide": slide and state.cache.config.sliding}
   key = shards.replicated(key, mesh)  # once: every chunk folds its offset into it
   for offset in range(0, ids.shape[1], chunk):
     window = slice(offset, offset + chunk)
@@ -217,6 +239,7 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     # Rows whose new logits are not finite stop the loop with them (`cond`), undrawn.
     cache = cache.raise_status(_nonfinite(logits[:, 0], emit), Status.NONFINITE_LOGITS)
     peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
+    cache = _slide(cache)
     if eviction is not None:
       cache = _evict(eviction, cache, evict_key)
     state = s.replace(
@@ -362,10 +385,21 @@ class ContextReader:
   shape: ModelShape
 
   def read(
-      self, state, encoded, *, observe=True, key=None, step="prefill", chunk=None, progress=None
+      self,
+      state,
+      encoded,
+      *,
+      observe=True,
+      key=None,
+      step="prefill",
+      chunk=None,
+      progress=None,
+      scratch=False,
   ) -> State:
     """`encoded` read after each row's tokens, the policy observing (unless not `observe`)
-    and nothing evicted; `chunk`: tokens per compiled step instead of the plan's."""
+    and nothing evicted; `chunk`: tokens per compiled step instead of the plan's;
+    `scratch`: tokens that are cut away again (`cut`), so sliding layers keep everything
+    meanwhile (what they free is gone)."""
     encoded = _encoded(encoded)
     plan = state.plan
     reading = plan if observe else dataclasses.replace(plan, eviction=None)
@@ -373,7 +407,7 @@ class ContextReader:
       reading = dataclasses.replace(reading, chunk=chunk)
     key = state.key if key is None else key
     state = prefill_chunks(
-        self.model, state.replace(plan=reading), encoded, key, progress, step=step
+        self.model, state.replace(plan=reading), encoded, key, progress, step, not scratch
     )
     return state.replace(plan=plan)
 
@@ -404,7 +438,11 @@ class ContextReader:
     # one compiled step of them.
     step = read_options.get("chunk") or state.plan.chunk
     room = max(pages_for(int(encoded.lengths.max()), ps) + 1, pages_for(step, ps))
-    width = sink_pages + pages + room
+    # A sliding layer's pass sees its own window (after the context, as a repeat would):
+    # its whole table, which `slide` keeps under a window's peak.
+    windows = cache.config.windows
+    held = max((pages_for(window_peak(w, ps, 0), ps) for w in windows if w), default=0)
+    width = max(sink_pages + pages, held) + room
     window = _window(
         cache,
         np.int32(max(start - lookback, 0) // ps),
@@ -412,12 +450,13 @@ class ContextReader:
         sink_pages=sink_pages,
         pages=pages,
         width=width,
+        entries=max(sink_pages + pages, held),
     )
     length = jnp.copy(window.length)  # the window's own tokens (its cache is donated)
     window = window.replace(
         config=dataclasses.replace(cache.config, max_tokens=width * ps, budget=None, threshold=None)
     )
-    read = self.read(state.replace(cache=window), encoded, **read_options)
+    read = self.read(state.replace(cache=window), encoded, scratch=True, **read_options)
     cut = truncate(read.cache, length)
     restored = cut.replace(config=cache.config, pages=cache.pages.unwindow(cut.pages))
     return read.replace(cache=restored)
@@ -427,24 +466,31 @@ def _encoded(prompts) -> EncodedPrompts:
   return prompts if isinstance(prompts, EncodedPrompts) else EncodedPrompts.unmarked(prompts)
 
 
-@functools.partial(jax.jit, static_argnames=("sink_pages", "pages", "width"))
-def _window(cache: PagedKVCache, first_page, end, *, sink_pages: int, pages: int, width: int):
+@functools.partial(jax.jit, static_argnames=("sink_pages", "pages", "width", "entries"))
+def _window(
+    cache: PagedKVCache, first_page, end, *, sink_pages: int, pages: int, width: int, entries: int
+):
   """`cache` with a window of its page table (`PageTable.window`), `width` entries: each
   sequence's first `sink_pages` pages, then its tokens from page `first_page` up to token
-  `end` (at most `pages` pages of them); from page 0 when `first_page` is within the sink."""
+  `end` (at most `pages` pages of them); from page 0 when `first_page` is within the sink.
+  A sliding layer's sequences keep their whole tables (their first `entries` pages)."""
   ps = cache.config.page_size
   near = first_page <= sink_pages  # the stretch starts in (or just after) the sink
-  head = jnp.arange(sink_pages + pages)
-  entries = jnp.where(
+  head = jnp.arange(entries)
+  span = jnp.where(
       near, head, jnp.where(head < sink_pages, head, first_page + head - sink_pages)
   )
+  span = jnp.where(head < sink_pages + pages, span, cache.config.max_pages)  # past: null
   capped = jnp.minimum(cache.length, end)  # [L, B, H]
   length = jnp.where(
       near,
       capped,
       jnp.minimum(cache.length, sink_pages * ps) + jnp.clip(capped - first_page * ps, 0, None),
   )
-  return cache.replace(pages=cache.pages.window(entries, length, width))
+  full = full_layers(cache)  # [L]
+  per_layer = jnp.where(full[:, None], span[None, :], head[None, :])  # [L, entries]
+  length = jnp.where(full[:, None, None], length, cache.length)
+  return cache.replace(pages=cache.pages.window(per_layer, length, width))
 
 
 @jax.jit

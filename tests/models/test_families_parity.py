@@ -7,6 +7,7 @@ import pytest
 
 import kvjax
 from models import Gemma3, Llama, load_hf_dir
+from kvjax.cache.sizing import window_peak
 from models.gemma3 import build
 from test_llama_parity import TINY, jax_greedy, make_forward, max_diff, torch_teacher_forced
 
@@ -15,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4  # max abs logit difference (the bound for tiny checkpoints)
 PROMPT, STEPS, BATCH = 24, 16, 2
-WINDOW = 64  # > PROMPT + STEPS: the usable context while the cache applies no window
+WINDOW = 10  # well inside PROMPT + STEPS: the sliding layers drop pages as they go
 
 FAMILIES = {
     # Two sliding layers around a full one; local and global RoPE bases differ, and the
@@ -87,20 +88,25 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, family):
     assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
   if family == "mistral":
     assert config.layer_windows == (WINDOW,) * TINY["num_hidden_layers"]
-  # The cache applies no window yet: the usable context is the narrowest window.
-  assert kvjax.ModelShape.of(model).max_context == (WINDOW if family != "qwen3" else 512)
+  assert kvjax.ModelShape.of(model).max_context == 512
 
   rng = np.random.default_rng(len(family))
   prompt = rng.integers(0, TINY["vocab_size"], (BATCH, PROMPT), dtype=np.int32)
+  windows = kvjax.ModelShape.of(model).windows
   cache = kvjax.init_cache(
-      kvjax.CacheConfig(page_size=8, max_tokens=64),
+      kvjax.CacheConfig(page_size=4, max_tokens=64, windows=windows),
       config.n_layers,
       BATCH,
       config.n_kv_heads,
       config.head_dim,
+      chunk=PROMPT,
   )
-  ours = jax_greedy(make_forward(model), cache, prompt, STEPS)
+  ours = jax_greedy(make_forward(model, slide=True), cache, prompt, STEPS)
   kvjax.check_status(ours[3])
+  length = np.asarray(ours[3].length)  # [L, B, H] after the last step
+  for layer, window in enumerate(windows or (0,) * config.n_layers):
+    held = PROMPT + STEPS - 1 if not window else window_peak(window, 4, 0)
+    assert length[layer].max() <= held, (layer, length[layer])
   theirs = torch_teacher_forced(ref, prompt, ours[2])
   prefill_diff = max_diff(ours[0], theirs[:, :PROMPT])
   step_diff = max_diff(ours[1], theirs[:, PROMPT - 1 :])
@@ -127,5 +133,3 @@ def test_a_gemma3_checkpoint_generates_through_the_api(tmp_path):
   assert tokens == want.tolist()
   spec = kvjax.CompressionSpec(policy="h2o", budget=8)
   assert kvjax.generate(model, tok, [prompt], spec, max_new_tokens=8).tokens[0]
-  with pytest.raises(ValueError, match=f"longer than the model context {WINDOW}"):
-    kvjax.generate(model, tok, ["x" * 80], max_new_tokens=1)

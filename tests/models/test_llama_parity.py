@@ -41,14 +41,18 @@ def _torch_threads():
   torch.set_num_threads(2)
 
 
-def make_forward(model):
-  """A jitted `(state, tokens, positions, cache) -> (logits, cache)` for one model."""
+def make_forward(model, slide: bool = False):
+  """A jitted `(state, tokens, positions, cache) -> (logits, cache)` for one model; `slide`:
+  then its sliding layers free the pages their windows passed, as kvjax's steps do."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
   def forward(state, tokens, positions, cache):
     num_new = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    return kvjax.seam.forward(nnx.merge(graphdef, state), tokens, positions, cache, num_new)
+    logits, cache = kvjax.seam.forward(
+        nnx.merge(graphdef, state), tokens, positions, cache, num_new
+    )
+    return logits, (kvjax.eviction.slide(cache) if slide else cache)
 
   return lambda tokens, positions, cache: forward(state, tokens, positions, cache)
 
