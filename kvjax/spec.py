@@ -400,6 +400,29 @@ class CompressionSpec:
       )
     return min(reserve, max_context - longest)
 
+  def _plan_once(self, shape, batch, longest, reserve, chunk, common, sliding) -> "CachePlan":
+    """`plan` for a context compressed once: the whole context is prefilled before it is
+    scored, so the pool holds all of it (the session compacts it once the context is
+    compressed), with room after the context for one reconstruction pass (a chunk and its
+    prompt), in a capacity bucket as the full cache (prompts of new lengths compile nothing
+    new); a sliding layer holds its window, and a pass on top of it."""
+    ps, budget, h = self.page_size, common["budget"], shape.n_kv_heads
+    room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
+    capacity = max(
+        capacity_bucket(longest + room, ps, shape.max_context),
+        whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps),
+    )
+    held = np.where(
+        sliding > 0,
+        pages_for(np.minimum(window_peak(sliding, ps, max(chunk, room)), capacity), ps),
+        pages_for(capacity, ps),
+    )
+    cfg = CacheConfig(max_tokens=capacity, num_pages=batch * h * int(held.sum()) + 1, **common)
+    # Observes (its scores fill) but never evicts while the context is read.
+    n = shape.n_layers
+    eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
+    return CachePlan(cfg, eviction, chunk, self)
+
   def plan(
       self, shape, *, batch: int, longest: int, reserve: int, protected: int = 0
   ) -> "CachePlan":
@@ -457,28 +480,13 @@ class CompressionSpec:
     )
     sliding = np.asarray(windows or (0,) * n)  # [L]: a layer's window, 0 when full
     if self.once:
-      # The whole context is prefilled before it is scored: the pool holds all of it, and
-      # the session compacts it once the context is compressed.
-      # Room after the context for one reconstruction pass (a chunk and its prompt).
-      # In a capacity bucket, as the full cache: prompts of new lengths compile nothing new.
-      room = max(reserve, getattr(self.policy, "chunk", 0) + 64)
-      capacity = max(
-          capacity_bucket(longest + room, ps, shape.max_context),
-          whole_pages(max(longest + room, budget + margin(ps, budget) + 1), ps),
-      )
-      # A sliding layer holds its window, and a reconstruction pass on top of it.
-      held = np.where(
-          sliding > 0,
-          pages_for(np.minimum(window_peak(sliding, ps, max(chunk, room)), capacity), ps),
-          pages_for(capacity, ps),
-      )
-      cfg = CacheConfig(max_tokens=capacity, num_pages=batch * h * int(held.sum()) + 1, **common)
-      # Observes (its scores fill) but never evicts while the context is read.
-      eviction = EvictionPlan(self.policy, (budget,) * n, evict=False, impl=self.attention_impl)
-      return CachePlan(cfg, eviction, chunk, self)
-    budgets = layer_budgets(
-        budget, n, self.budget_schedule, group, min_budget(ps, self.sink, recent, group)
-    )
+      return self._plan_once(shape, batch, longest, reserve, chunk, common, sliding)
+    # The schedule spreads the budget over the layers that keep the context; a sliding
+    # layer holds its window (its entry is the nominal budget, never used to evict).
+    full = sliding == 0
+    budgets = np.full(n, budget, np.int32)
+    floor = min_budget(ps, self.sink, recent, group)
+    budgets[full] = layer_budgets(budget, int(full.sum()), self.budget_schedule, group, floor)
     per_head = self.sharing == "layer"
     # Per head, one sequence may take its layer's whole share: H x budget.
     # The margin of the nominal budget (`CacheConfig`'s threshold), per head sharing it.

@@ -696,19 +696,7 @@ def paged_attention(
       pages_per_block=pages_per_block,
   )
   if window is not None and use_pallas and q.shape[1] == 1:
-    if num_queries is None:  # both branches take the same arguments
-      arrays = (*arrays[:5], jnp.ones((q.shape[0],), jnp.int32))
-    reference = dict(options, impl="ref", interpret=None, pages_per_block=None)
-
-    def same_outputs(result):  # the kernel returns probabilities whether asked or not
-      return (result[0], result[1] if return_probs else None, *result[2:])
-
-    return jax.lax.cond(
-        jnp.asarray(window) > 0,
-        lambda *a: same_outputs(paged_attention(*a, **reference, window=window)),
-        lambda *a: same_outputs(paged_attention(*a, **options)),
-        *arrays,
-    )
+    return _windowed_decode(arrays, options, window)
   if use_pallas and q.shape[1] == 1:
     check_float_dtypes(q=q, k_pages=k_pages, v_pages=v_pages)
     kernel = paged_attention_pallas
@@ -747,6 +735,26 @@ def paged_attention(
     )
     return (*result, lse)
   return result
+
+
+def _windowed_decode(arrays, options: dict, window):
+  """`paged_attention(*arrays, **options)` for a decode step on the kernel path with a
+  (possibly traced) `window`: the reference where it is > 0 (the kernels apply none), the
+  kernel where it is 0, chosen under `lax.cond`."""
+  q, num_queries = arrays[0], arrays[5]
+  if num_queries is None:  # both branches take the same arguments
+    arrays = (*arrays[:5], jnp.ones((q.shape[0],), jnp.int32))
+  reference = dict(options, impl="ref", interpret=None, pages_per_block=None)
+
+  def same_outputs(result):  # the kernel returns probabilities whether asked or not
+    return (result[0], result[1] if options["return_probs"] else None, *result[2:])
+
+  return jax.lax.cond(
+      jnp.asarray(window) > 0,
+      lambda *a: same_outputs(paged_attention(*a, **reference, window=window)),
+      lambda *a: same_outputs(paged_attention(*a, **options)),
+      *arrays,
+  )
 
 
 PREFIX_MIN_TOKENS = 512  # the narrowest prefix `paged_attention_live_prefix` reads

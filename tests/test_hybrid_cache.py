@@ -101,7 +101,14 @@ def test_the_full_cache_holds_the_full_layers_and_a_window_on_the_others(gemma):
 
 @pytest.mark.parametrize(
     "policy, budget",
-    [("h2o", 16), ("kvzip", 0.5), ("snapkv", 16), ("expected_attention", 0.25)],
+    [
+        ("h2o", 16),
+        ("kvzip", 0.5),
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [("snapkv", 16), ("expected_attention", 0.25)]
+        ),
+    ],
 )
 def test_policies_compress_the_full_layers_and_leave_the_windows(gemma, policy, budget):
   model, tok = gemma

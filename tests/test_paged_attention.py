@@ -74,9 +74,14 @@ def test_matches_dense_attention_with_nan_poisoned_pool(page_size, group, length
     "page_size, lengths, t, window",
     [
         (4, [13, 6, 20], 5, 3),  # a window narrower than the chunk
-        (4, [13, 6, 20], 5, 8),  # the window's edge inside a page, before the chunk
-        (1, [9, 30], 4, 7),
-        (16, [40, 3], 6, 17),  # a window past some rows' lengths: everything visible
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                (4, [13, 6, 20], 5, 8),  # the window's edge inside a page, before the chunk
+                (1, [9, 30], 4, 7),
+                (16, [40, 3], 6, 17),  # a window past some rows' lengths: everything visible
+            ]
+        ),
         (4, [13, 6, 20], 1, 5),  # decode
     ],
 )

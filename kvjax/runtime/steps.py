@@ -407,7 +407,13 @@ class ContextReader:
       reading = dataclasses.replace(reading, chunk=chunk)
     key = state.key if key is None else key
     state = prefill_chunks(
-        self.model, state.replace(plan=reading), encoded, key, progress, step, not scratch
+        self.model,
+        state.replace(plan=reading),
+        encoded,
+        key,
+        progress,
+        step=step,
+        slide=not scratch,
     )
     return state.replace(plan=plan)
 
