@@ -71,6 +71,7 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(store, monkeypatch):
     assert header["format"] == compilation._STORE_FORMAT and len(header["tag"]) == 64
 
 
+@pytest.mark.slow  # ~10 s: -m slow
 def test_entries_another_key_made_are_compiled_again(store, monkeypatch, tmp_path):
   """A store someone else filled (here: under another user's key) is never loaded."""
   model = tiny_llama()

@@ -349,6 +349,7 @@ def test_a_fraction_of_a_short_prompt_keeps_the_protected_tokens():
   assert kvjax.CompressionSpec("group_history", 0.01).budget_tokens(100) % 16 == 0
 
 
+@pytest.mark.slow  # ~11 s: -m slow
 def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
     model, tokenizer, text_ids
 ):

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,9 +98,21 @@ def _check_choice(config, tokens, kept):
   return not all(finite for _, _, finite in free)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 12 random sequences by default (~10 s), 100 more under -m slow.
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(CONFIGS), ops=st.lists(op, min_size=1, max_size=12))
 def test_random_append_evict_sequences_keep_invariants(config, ops):
+  _random_sequence_keeps_invariants(config, ops)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=st.sampled_from(CONFIGS), ops=st.lists(op, min_size=1, max_size=12))
+def test_many_random_append_evict_sequences_keep_invariants(config, ops):
+  _random_sequence_keeps_invariants(config, ops)
+
+
+def _random_sequence_keeps_invariants(config, ops):
   cache = kvjax.init_cache(config, L, B, H, D, chunk=max(CHUNKS))
   next_pos = np.zeros(B, np.int32)
   nonfinite_seen = False

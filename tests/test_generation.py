@@ -128,6 +128,7 @@ def _cli(*args):
   )
 
 
+@pytest.mark.slow  # ~12 s: -m slow; the real CLI runs with --json in test_hardening
 def test_cli_generate_json_answers_paris():
   run = _cli("generate", "What is the capital of France?", "--max-new-tokens", "16", "--json")
   assert run.returncode == 0, run.stderr

@@ -138,6 +138,7 @@ def test_a_hybrid_state_saves_loads_and_continues_identically(gemma, tmp_path):
   assert got.tokens == want.tokens == again.tokens
 
 
+@pytest.mark.slow  # -m slow
 def test_int8_pages_on_a_hybrid_model_stay_close_to_float(gemma):
   model, tok = gemma
   spec = kvjax.CompressionSpec(policy="h2o", budget=16)

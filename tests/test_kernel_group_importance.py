@@ -52,8 +52,11 @@ def _cases():
 
 def _default_cases():
   cases = []
+  # Every group size, reduction, length kind and dtype, each at least once (the whole
+  # product runs under -m slow).
   for i, (g, red) in enumerate(itertools.product(GROUP_SIZES, REDUCTIONS)):
-    cases.append((g, red, LENGTH_KINDS[i % 4], DTYPES[(i // 3) % 2]))
+    if i % 2 == 0:
+      cases.append((g, red, LENGTH_KINDS[(i // 2) % 4], DTYPES[(i // 4) % 2]))
   return cases
 
 

@@ -190,6 +190,7 @@ def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_stretch(tiny, lookba
   ].any()
 
 
+@pytest.mark.slow  # ~9 s: -m slow
 def test_chunk_and_context_reconstruction_agree_when_one_chunk_holds_the_context(tiny):
   model, tokenizer = tiny
   ids = tokenizer.encode(CONTEXT)[:120]

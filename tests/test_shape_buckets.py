@@ -104,7 +104,7 @@ print(result.stats["compiles"])
 """
 
 
-@pytest.mark.parametrize("setting", ["dir", "off"])
+@pytest.mark.parametrize("setting", ["dir", pytest.param("off", marks=pytest.mark.slow)])
 def test_compiled_steps_persist_in_the_kvjax_cache_dir(tmp_path, setting):
   import os
   import subprocess

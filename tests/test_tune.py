@@ -90,6 +90,7 @@ def test_hard_evaluation_equals_the_real_pipeline(
   assert held["kv_bytes_max"] == measured.kv_bytes_max
 
 
+@pytest.mark.slow  # ~20 s: -m slow; kvzip's measurement is in the default suite
 def test_running_policies_are_measured_against_the_same_predictions(model, tokenizer, calibration):
   """A running policy whose budget evicts nothing has the full cache's predictions; one that
   evicts is measured as kvjax.eval measures it (the first prediction left out)."""
@@ -242,6 +243,7 @@ def _tiny_tune(model, tokenizer, target, *, items, steps, **options):
   )
 
 
+@pytest.mark.slow  # ~30 s; int8 tuning: -m slow (docs/compression.md has its run)
 def test_quantized_pages_are_chosen_where_they_hold_fewer_bytes(model, tokenizer, tmp_path):
   """The chosen setting is tried with int8 pages at budgets up to where they would hold
   as much as the float setting; the least bytes meeting the target wins, written to the
@@ -311,6 +313,7 @@ def _assert_loads_back_as(path, model, chosen):
   return loaded
 
 
+@pytest.mark.slow  # ~16 s: -m slow
 def test_an_unreachable_target_is_reported_not_relaxed(model, tokenizer, tmp_path):
   result = _tiny_tune(model, tokenizer, "kl=1e-12", items=4, steps=2)
   assert not result.reachable
