@@ -71,11 +71,8 @@ def _plant_everywhere(root: pathlib.Path, marker: pathlib.Path) -> int:
   return planted
 
 
-def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
-  """Fresh processes: a populated cache (executables, JAX's cache, converted weights) whose
-  every file is replaced by a code-running pickle runs nothing and gives the same tokens and
-  weights; the entries are rebuilt, authenticated, and loaded by the next process. Then the
-  root made world-writable is not used at all (one warning naming it), still nothing runs."""
+def _populated(tmp_path):
+  """A cache populated by a fresh process: (root, marker, env, that process's report)."""
   root, marker = tmp_path / "cache", tmp_path / "code-ran"
   env = {
       **os.environ,
@@ -87,6 +84,14 @@ def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
   assert first["loaded"] == 0 and first["jax_cache_hits"] == 0 and not first["warnings"]
   assert list((root / "executables").glob("*.bin")) and list((root / "jax").iterdir())
   assert list((root / "weights").iterdir())
+  return root, marker, env, first
+
+
+def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
+  """Fresh processes: a populated cache (executables, JAX's cache, converted weights) whose
+  every file is replaced by a code-running pickle runs nothing and gives the same tokens and
+  weights; the entries are rebuilt, authenticated, and loaded by the next process."""
+  root, marker, env, first = _populated(tmp_path)
 
   assert _plant_everywhere(root, marker) > 10
   planted = _run(env)
@@ -100,6 +105,12 @@ def test_a_pickle_planted_in_every_cache_file_runs_nothing(tmp_path):
   assert rebuilt["tokens"] == first["tokens"]
   assert not rebuilt["warnings"]
 
+
+@pytest.mark.slow  # ~12 s more: a third fresh process
+def test_a_planted_cache_made_world_writable_is_not_used_at_all(tmp_path):
+  """The root of a populated cache made world-writable, every file planted: not used at all
+  (one warning naming it), nothing runs, nothing in it is touched."""
+  root, marker, env, first = _populated(tmp_path)
   _plant_everywhere(root, marker)
   root.chmod(0o777)
   before = sorted((p, p.stat().st_mtime_ns) for p in root.rglob("*"))

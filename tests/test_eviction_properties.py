@@ -98,8 +98,8 @@ def _check_choice(config, tokens, kept):
   return not all(finite for _, _, finite in free)
 
 
-# 12 random sequences by default (~10 s), 100 more under -m slow.
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 6 random sequences by default, 100 more under -m slow.
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(CONFIGS), ops=st.lists(op, min_size=1, max_size=12))
 def test_random_append_evict_sequences_keep_invariants(config, ops):
   _random_sequence_keeps_invariants(config, ops)

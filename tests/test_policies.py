@@ -564,6 +564,7 @@ def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
 
 
 # Token eviction runs by default; block eviction on the real model (~15 s more) with -m slow.
+@pytest.mark.slow  # ~16 s with the model: -m slow; the bound runs on the tiny model by default
 @pytest.mark.parametrize("name", ["h2o", pytest.param("group_history", marks=pytest.mark.slow)])
 def test_peak_kv_of_the_default_model_within_bound(smollm, name):
   model, tokenizer = smollm

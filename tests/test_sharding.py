@@ -102,6 +102,7 @@ def test_no_recompilation_per_step(sharded_runs, case):
   assert counts["first_decode"] == 1 and counts["second_decode"] == 0
 
 
+@pytest.mark.slow  # ~20 s: -m slow; the 2x2 mesh and two processes run by default
 def test_one_device_mesh_runs_the_sharded_path():
   """A (1, 1) mesh: the shard_map path on one device gives the unsharded tokens and logits,
   and the state keeps its mesh through decode and extend."""

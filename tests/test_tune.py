@@ -62,6 +62,7 @@ def _random_allocation(model, policy, seed=1):
   )
 
 
+@pytest.mark.slow  # ~22 s: -m slow
 @pytest.mark.parametrize("policy", ["kvzip", pytest.param("expected_attention", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("allocated", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("budget", [0.2, pytest.param(0.5, marks=pytest.mark.slow)])

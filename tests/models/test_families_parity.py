@@ -116,6 +116,7 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, family):
   assert prefill_diff <= TOL and step_diff <= TOL, msg
 
 
+@pytest.mark.slow  # -m slow; generate on Gemma 3 runs in test_hybrid_cache
 def test_a_gemma3_checkpoint_generates_through_the_api(tmp_path):
   """`kvjax.generate` on a Gemma 3 checkpoint: with the full cache, the greedy tokens
   transformers would choose; under a policy, it runs; past the window, a clear error."""

@@ -139,6 +139,7 @@ def test_smollm2_prefill_logits_match_transformers(smollm2, prompt_ids):
   assert diff <= TOL, msg
 
 
+@pytest.mark.slow  # ~14 s: -m slow; the prefill logits run by default
 def test_smollm2_greedy_decode_matches_transformers(smollm2, prompt_ids):
   config, _, forward, ref = smollm2
   # Pages of 24: the 64-token prompt ends mid-page and decoding crosses pages at 72 and 96.
