@@ -255,8 +255,9 @@ def test_gemma3_build_time(gemma):
 def test_gemma3_special_ids(gemma):
   tok, hf, _ = gemma
   assert (tok.bos_id, tok.add_bos) == (hf.bos_token_id, True) == (2, True)
-  # The file has no tokenizer.ggml.eot_token_id, so <end_of_turn> (106) is not among them.
-  assert tok.eos_ids == (hf.eos_token_id,) == (1,)
+  # The file has no tokenizer.ggml.eot_token_id: <end_of_turn> (106) is found by name, as
+  # llama.cpp finds it (`models.gguf_loader.read_metadata`).
+  assert tok.eos_ids == (hf.eos_token_id, 106) == (1, 106)
   assert tok.encode("<end_of_turn>") == [106]
 
 
