@@ -109,15 +109,20 @@ def tiny_llama(vocab_size=259, n_layers=2, max_context=128, seed=0, qk_scale=1.0
       max_context=max_context,
       name="tiny",
   )
+  return Llama.from_params(config, _random_params(config, seed, 0.02, qk_scale), dtype=dtype)
+
+
+def _random_params(config, seed: int, std: float, qk_scale: float) -> dict:
+  """Canonical params from numpy: norms 1, the rest normal(0, std), q and k x `qk_scale`."""
   rng = np.random.default_rng(seed)
   params = {
-      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.02, shape)
+      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, std, shape)
       for name, shape in config.param_shapes().items()
   }
   for name in params:
     if name.endswith((".wq", ".wk")):
       params[name] = params[name] * qk_scale
-  return Llama.from_params(config, params, dtype=dtype)
+  return params
 
 
 def tiny_gemma3(
@@ -147,15 +152,7 @@ def tiny_gemma3(
       rope_theta=1e6,
       rope_local_theta=1e4,
   )
-  rng = np.random.default_rng(seed)
-  params = {
-      name: np.ones(shape, np.float32) if "norm" in name else rng.normal(0, 0.3, shape)
-      for name, shape in config.param_shapes().items()
-  }
-  for name in params:
-    if name.endswith((".wq", ".wk")):
-      params[name] = params[name] * qk_scale
-  return Gemma3.from_params(config, params, dtype=dtype)
+  return Gemma3.from_params(config, _random_params(config, seed, 0.3, qk_scale), dtype=dtype)
 
 
 def tiny_hf_checkpoint(path, seed: int = 0, nan: bool = False):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.config import ModelConfig, check_params
+from models.config import ModelConfig
 from models.registry import DEFAULT_MODEL
 from models.llama import (
     Llama,
@@ -33,7 +33,8 @@ from models.llama import (
 
 class Gemma3(Llama):
   """Decoder: `model.run(tokens, positions, kv_state, attend) -> (logits, kv_state)`; weights,
-  sharding rules and `head_output_gram` as `Llama`'s."""
+  `from_params`, sharding rules and `head_output_gram` as `Llama`'s; `rotate` is the full
+  layers' RoPE (base `rope_theta`), the layers compress-once policies score."""
 
   def __init__(self, config: ModelConfig, **kwargs):
     if config.family != "gemma3":
@@ -43,16 +44,6 @@ class Gemma3(Llama):
     self.local_inv_freq = RopeFrequencies(
         jnp.asarray(rope_inverse_frequencies(config, theta=local))
     )
-
-  @classmethod
-  def from_params(cls, config: ModelConfig, params, dtype=jnp.float32) -> "Gemma3":
-    check_params(config, params, "params")
-    return cls(config, dtype=dtype, params=params)
-
-  def rotate(self, x: Float[Array, "B T H D"], positions: Int[Array, "B T"]) -> Array:
-    """x rotated as the full (global) layers rotate q and k: the layers that compress-once
-    policies score (the seam's optional `rotate`)."""
-    return apply_rope(x, positions, self.inv_freq[...])
 
   def run(
       self,

@@ -154,3 +154,28 @@ def test_int8_pages_on_a_hybrid_model_stay_close_to_float(gemma):
 def test_a_model_without_windows_makes_a_cache_without_them():
   state = kvjax.prefill(tiny_llama(max_context=256), [PROMPT], tokenizer=ByteTokenizer())
   assert state.cache.config.windows == () and not state.cache.config.sliding
+
+
+@pytest.mark.parametrize(
+    "windows, match",
+    [((8, -1), "windows must be a tuple of ints >= 0"), ("88", "windows must be a tuple of ints")],
+)
+def test_bad_windows_are_refused(windows, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.CacheConfig(windows=windows)
+
+
+def test_windows_for_another_number_of_layers_are_refused():
+  with pytest.raises(ValueError, match=r"windows gives 2 layers' windows; .* num_layers=3"):
+    kvjax.init_cache(kvjax.CacheConfig(page_size=4, max_tokens=32, windows=(8, 0)), 3, 1, 1, 4)
+
+
+def test_a_model_with_bad_layer_windows_is_refused(gemma):
+  """The seam reads `config.layer_windows`: one int >= 0 per layer, or a TypeError."""
+  model, _ = gemma
+  sizes = dict(n_layers=3, n_kv_heads=2, head_dim=8, vocab_size=259, max_context=64)
+  for windows in [(8, 0), (8, -1, 0)]:
+    config = type("Config", (), dict(sizes, layer_windows=windows))()
+    stand_in = type("Model", (), {"run": model.run, "config": config})()
+    with pytest.raises(TypeError, match=r"layer_windows must give an int >= 0 .* 3 layers"):
+      kvjax.ModelShape.of(stand_in)

@@ -274,6 +274,11 @@ def init_cache(
   extra = {} if extra is None else extra
   if not isinstance(extra, dict) or not all(isinstance(name, str) for name in extra):
     raise TypeError(f"extra must be a dict of named arrays, got {type(extra).__name__}")
+  if config.windows and len(config.windows) != num_layers:
+    raise ValueError(
+        f"config.windows gives {len(config.windows)} layers' windows; the cache has "
+        f"num_layers={num_layers}"
+    )
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts:

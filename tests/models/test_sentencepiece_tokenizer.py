@@ -218,7 +218,7 @@ GEMMA_TEXTS = [
     "\tindent\t\ttabs\t\t\t",
     "<table><tr><td>x</td></tr></table> <b>bold</b> <h1>Title</h1>",
     "naïve café façade Ångström résumé Œuvre",
-    "https://example.com/a?b=c&d=e — “quotes” ‘single’ … ©®™ \x00\x01\x7f",
+    "http://localhost/a?b=c&d=e — “quotes” ‘single’ … ©®™ \x00\x01\x7f",
     "<bos>text after bos <mask> <unused0> [multimodal] <start_of_image>",
     "",
 ]
