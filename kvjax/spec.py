@@ -492,17 +492,19 @@ class CompressionSpec:
     # The margin of the nominal budget (`CacheConfig`'s threshold), per head sharing it.
     margin_tokens = margin(ps, budget) * (h if per_head else 1)
     peak = peak_tokens(int(budgets.max()) * (h if per_head else 1), margin_tokens, chunk, protected)
-    capacity = whole_pages(peak, ps)
+    request = longest + reserve
+    # A sliding layer's sequence holds its window and a chunk before it slides.
+    window_peaks = np.minimum(window_peak(sliding, ps, chunk), request) * (sliding > 0)
+    capacity = whole_pages(max(peak, int(window_peaks.max())), ps)
     # No sequence holds more than the request's tokens: the pool never exceeds the full
     # cache's for the same batch (short prompts under a large budget), though it holds at
     # least the budgets (`init_cache` checks). `extend` and `decode` grow it when a later
     # request needs more (`kvjax.runtime.pool.fit`).
     peaks = peak_tokens(budgets, margin_tokens, chunk, protected)  # per layer, a sequence's
-    request = longest + reserve
     pages_per_layer = layer_pages(
         budgets, peaks, heads=h, shared=per_head, page_size=ps, request=request
     )
-    window_pages = h * pages_for(np.minimum(window_peak(sliding, ps, chunk), request), ps)
+    window_pages = h * pages_for(window_peaks, ps)
     pages_per_layer = np.where(sliding > 0, window_pages, pages_per_layer)
     num_pages = batch * int(pages_per_layer.sum()) + 1
     cfg = CacheConfig(max_tokens=capacity, num_pages=num_pages, **common)

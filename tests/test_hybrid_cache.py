@@ -3,6 +3,8 @@ their window needs, freed inside jit as a sequence moves on, while the full laye
 context under the chosen policy. Parity with transformers over several windows is in
 tests/models/test_families_parity.py; here the cache's own behaviour on a tiny Gemma 3."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,3 +181,28 @@ def test_a_model_with_bad_layer_windows_is_refused(gemma):
     stand_in = type("Model", (), {"run": model.run, "config": config})()
     with pytest.raises(TypeError, match=r"layer_windows must give an int >= 0 .* 3 layers"):
       kvjax.ModelShape.of(stand_in)
+
+
+def test_a_budget_past_the_window_fits_a_pool_sized_by_the_windows():
+  # A sliding layer is never evicted, so the budget check counts its window, not the budget.
+  cfg = kvjax.CacheConfig(page_size=4, max_tokens=64, budget=32, windows=(8, 0))
+  cache = kvjax.init_cache(cfg, num_layers=2, batch_size=1, num_kv_heads=1, head_dim=4, chunk=4)
+  assert cache.k_pages.shape[0] == cfg.pool_pages(2, 4)
+  needed = cfg.pages_per_sequence(4, window=8) + 32 // 4 + 1  # window, budget, null page
+  small = dataclasses.replace(cfg, num_pages=needed - 1)
+  with pytest.raises(ValueError, match=f"cannot hold budget=32 .* need >= {needed}"):
+    kvjax.init_cache(small, num_layers=2, batch_size=1, num_kv_heads=1, head_dim=4, chunk=4)
+
+
+def test_a_running_budget_below_the_window_sizes_the_tables_for_the_window():
+  # The sliding layers hold their window of 64 while the full layer keeps 16 tokens: the
+  # page tables are as wide as the window's peak, not the budget's.
+  model, tok = tiny_gemma3(window=64, max_context=1024), ByteTokenizer()
+  spec = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=4, prefill_chunk=8)
+  state = kvjax.prefill(model, [PROMPT], spec, tokenizer=tok)
+  assert state.cache.config.max_tokens >= window_peak(64, 4, 0)
+  _assert_windows_hold_their_latest_tokens(state, model)
+  assert np.asarray(state.cache.length)[2].max() <= 16 + state.cache.config.margin
+  state, result = kvjax.decode(model, state, 4)
+  assert len(result.tokens[0]) == 4
+  _assert_windows_hold_their_latest_tokens(state, model)

@@ -282,7 +282,13 @@ def init_cache(
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts:
-    needed = num_sequences * pages_for(config.budget, config.page_size) + 1
+    # A sliding layer is never evicted: it needs its window's pages, not the budget's.
+    per_layer = num_sequences // num_layers
+    needed = sum(
+        per_layer
+        * (config.pages_per_sequence(chunk, w) if w else pages_for(config.budget, config.page_size))
+        for w in (config.windows or (0,) * num_layers)
+    ) + 1
     if num_pages < needed:
       raise ValueError(
           f"num_pages={num_pages} cannot hold budget={config.budget} tokens for each of "

@@ -48,8 +48,9 @@ def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
 
 
 def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
-  """Token ids of the chat template before and after the user's message."""
-  if not chat:
+  """Token ids of the chat template before and after the user's message; none where `chat`
+  is off or the model has no template (a base model reads the request as plain text)."""
+  if not chat or getattr(tokenizer, "chat_template", None) is None:
     return [], []
   marker = "\x00kvjax\x00"
   before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
