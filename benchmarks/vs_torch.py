@@ -1,8 +1,8 @@
 """kvjax against transformers (PyTorch) on the same model and token ids, in one run.
 
-    python -m benchmarks.vs_torch [--lengths 512 2048 8000] [--repeats 3]
+    python -m benchmarks.vs_torch [--model NAME] [--lengths 512 2048 8000] [--repeats 3]
 
-Loads the default model twice from its GGUF: kvjax (Flax NNX, float32) and transformers'
+Loads the model (default: the default model) twice from its GGUF: kvjax (Flax NNX, float32) and transformers'
 `AutoModelForCausalLM` (float32, sdpa attention; from the test extras). For each prompt
 length, A B A B over `--repeats` rounds: prefill tokens/s (one prompt of real text) and
 greedy decode ms/token over `--decode-steps` steps, for kvjax's full cache, kvjax with
@@ -151,9 +151,11 @@ def main(argv=None):
   import torch
   import transformers
 
-  from models import load_llama, resolve_model
+  from models import load_decoder, resolve_model
+  from models.registry import DEFAULT_MODEL
 
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name or .gguf path")
   parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8000])
   parser.add_argument("--repeats", type=int, default=3, help="A B rounds (medians)")
   parser.add_argument("--decode-steps", type=int, default=16)
@@ -179,8 +181,8 @@ def main(argv=None):
   warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache renames
   transformers.logging.set_verbosity_error()
 
-  path = resolve_model().path
-  model, tok = load_llama()
+  path = resolve_model(args.model).path
+  model, tok = load_decoder(args.model)
   ref = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
@@ -189,7 +191,7 @@ def main(argv=None):
   if args.part != "sequence":
     anchor = _llama_cpp(path, max(args.lengths) + args.decode_steps + 8, torch.get_num_threads())
   print(
-      f"# kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
+      f"# {args.model}: kvjax vs transformers {transformers.__version__} (torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads), jax {jax.__version__} on {jax.default_backend()}, "
       f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}\n"
   )
@@ -207,6 +209,7 @@ def _first_requests(args):
   """Two fresh processes over one new cache directory (see the module docstring)."""
   directory = tempfile.mkdtemp(prefix="kvjax-first-")
   common = [sys.executable, str(pathlib.Path(__file__).resolve()), "--cache-dir", directory]
+  common += ["--model", args.model]
   runs = {}
   for name, extra in (
       ("empty", ["--part", "all", "--lengths", "2048", "--repeats", str(args.repeats)]),

@@ -31,7 +31,14 @@ from .config import ModelConfig, RopeScaling, check_params
 from .gemma3 import Gemma3, load_decoder
 from .gguf_loader import load_gguf
 from .llama import Llama, load_llama
-from .registry import DEFAULT_MODEL, ModelSource, known_models, load_model, resolve_model
+from .registry import (
+    DEFAULT_MODEL,
+    ModelSource,
+    known_models,
+    load_model,
+    model_availability,
+    resolve_model,
+)
 from .safetensors_loader import load_hf_dir
 from .tokenizer import Tokenizer
 
@@ -45,6 +52,7 @@ __all__ = [
     "Tokenizer",
     "check_params",
     "known_models",
+    "model_availability",
     "load_gguf",
     "load_hf_dir",
     "load_decoder",

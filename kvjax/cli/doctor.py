@@ -79,7 +79,7 @@ def report() -> dict:
   """The machine as kvjax sees it: backend, devices, memory, versions, the default model,
   the implementation of each kernel op, the compilation cache."""
   from kvjax_store.cache_dir import describe as describe_cache
-  from models.registry import DEFAULT_MODEL, resolve_model
+  from models.registry import DEFAULT_MODEL, known_models, model_availability, resolve_model
 
   backend = jax.default_backend()
   devices = jax.devices()
@@ -87,6 +87,8 @@ def report() -> dict:
     model = f"{DEFAULT_MODEL}: {resolve_model(DEFAULT_MODEL).path}"
   except (FileNotFoundError, ValueError) as e:
     model = f"{DEFAULT_MODEL}: {e}"
+  # Whether each registry model can load, without assembling or reading its weights.
+  registry = {name: model_availability(name) for name in known_models()}
   return {
       "backend": backend,
       "devices": f"{len(devices)} x {devices[0].device_kind}",
@@ -100,6 +102,7 @@ def report() -> dict:
           },
       },
       "default model": model,
+      "registry models": registry,
       "impl='auto'": {op: dict(zip(("runs", "why"), implementation(op))) for op in KERNELS},
       "cache directory": describe_cache(),
   }
@@ -118,14 +121,19 @@ def _timed(name, fn) -> Check:
 
 
 def _dense_logits(model, ids):
-  """The model's logits with plain causal attention over its own K/V (no kvjax cache)."""
+  """The model's logits with plain causal attention over its own K/V (no kvjax cache); a
+  sliding layer's query sees its window's latest keys (`config.layer_windows`, 0: all)."""
+  windows = jnp.asarray(getattr(model.config, "layer_windows", None) or [0] * model.config.n_layers)
 
   def attend(q, k, v, state, layer):
     b, t, hq, d = q.shape
     k = jnp.repeat(k, hq // k.shape[2], axis=2)
     v = jnp.repeat(v, hq // v.shape[2], axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    back = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # [T, T] query minus key position
+    window = windows[layer]  # layer may be traced (the model's layer loop)
+    visible = (back >= 0) & ((window == 0) | (back < window))
+    s = jnp.where(visible, s, -jnp.inf)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), state
 
   tokens = jnp.asarray([ids], jnp.int32)
@@ -268,7 +276,7 @@ def self_check(progress=None) -> list[Check]:
   chunks, decode, the allocator's invariants, finite logits; off CPU, impl='auto' against
   the reference). `progress(check)` is called after each."""
   from kvjax.policies import POLICIES
-  from kvjax.testing import ByteTokenizer, tiny_llama
+  from kvjax.testing import ByteTokenizer, tiny_gemma3, tiny_llama
 
   model, tokenizer = tiny_llama(max_context=256, qk_scale=20), ByteTokenizer()
   prompts = ["the quick brown fox jumps over the lazy dog " * 2, "kvjax doctor " * 8]
@@ -284,6 +292,13 @@ def self_check(progress=None) -> list[Check]:
           lambda: _check_quantized(model, tokenizer.encode(prompts[0])),
       ),
   ]
+  hybrid, hybrid_ids = tiny_gemma3(window=8, max_context=256, qk_scale=3.0), prompts[0]
+  steps.append(
+      (
+          "sliding-window layers (tiny Gemma 3) = dense windowed attention",
+          lambda: _check_full_cache(hybrid, tokenizer.encode(hybrid_ids)),
+      )
+  )
   for name in sorted(POLICIES):
     if name == "full":  # checked above
       continue
