@@ -1,6 +1,8 @@
 """Sharded generation vs one device, run in a process of its own (the device count is fixed
 when jax starts): `python tests/sharding_check.py DEVICES CASE...` prints one JSON line per
-case. A CASE is POLICY@MESH, e.g. h2o@data=2,model=2. tests/test_sharding.py runs it."""
+case. A CASE is [gemma3/]POLICY@MESH, e.g. h2o@data=2,model=2 (the tiny Llama) or
+gemma3/kvzip@data=2,model=2 (a tiny Gemma 3: sliding-window layers beside full ones).
+tests/test_sharding.py runs it."""
 
 import json
 import os
@@ -22,7 +24,12 @@ from kvjax import policies  # noqa: E402
 from kvjax.policies.learned import Scorer  # noqa: E402
 from kvjax.fingerprint import model_fingerprint  # noqa: E402
 from kvjax import sharding  # noqa: E402
-from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama  # noqa: E402
+from kvjax.testing import (  # noqa: E402
+    ByteTokenizer,
+    assert_cache_invariants,
+    tiny_gemma3,
+    tiny_llama,
+)
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog, twice over",
@@ -59,9 +66,17 @@ def spec_for(policy: str) -> kvjax.CompressionSpec:
   )
 
 
-def run(policy: str, mesh):
+def model_for(case_policy: str):
+  """The tiny model a case names ("gemma3/..." or the Llama) and the policy's part."""
+  family, _, policy = case_policy.rpartition("/")
+  if family == "gemma3":  # windows of 8 tokens: the prompts pass them
+    return tiny_gemma3(window=8, max_context=256, qk_scale=3.0), policy
+  return tiny_llama(max_context=256, qk_scale=20), policy
+
+
+def run(case_policy: str, mesh):
   """Prefill, then two decodes (the second must compile nothing): tokens, logits, cache."""
-  model = tiny_llama(max_context=256, qk_scale=20)
+  model, policy = model_for(case_policy)
   before = kvjax.compile_stats()["compiles"]
   state = kvjax.prefill(model, PROMPTS, spec_for(policy), tokenizer=ByteTokenizer(), mesh=mesh)
   state, first = kvjax.decode(model, state, NEW_TOKENS, return_logits=True)
