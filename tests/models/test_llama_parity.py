@@ -185,6 +185,7 @@ TINY_CASES = {
     "qwen2": ("qwen2", dict(rope_theta=10000.0, tie_word_embeddings=True)),
 }
 TINY_PROMPT, TINY_STEPS, TINY_BATCH = 24, 16, 2
+TINY_TOL = 1e-4  # a float32 checkpoint against transformers (measured 2e-6 to 1.5e-5)
 
 
 def build_tiny(kind, overrides, seed):
@@ -245,7 +246,7 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, case, page_size, shard):
   prefill_diff, step_diff = max_diff(ours[0], theirs_prefill), max_diff(ours[1], theirs_steps)
   msg = f"{case}: max abs diff prefill {prefill_diff:.3e}, decode steps {step_diff:.3e}"
   print(msg)
-  assert prefill_diff <= TOL and step_diff <= TOL, msg
+  assert prefill_diff <= TINY_TOL and step_diff <= TINY_TOL, msg
   np.testing.assert_array_equal(ours[2], theirs_steps.argmax(-1), err_msg=msg)
 
   if case == "llama3_rope":
