@@ -12,7 +12,7 @@ import numpy as np
 
 from .config import ModelConfig, TensorNames, check_params
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed",
@@ -36,7 +36,9 @@ _LAYER_NAMES = {
     "ffn_down.weight": "w_down",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-_NAMES = TensorNames(_GLOBAL_NAMES, _BLOCK_RE, _LAYER_NAMES)
+_QK_NORM_NAMES = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+# Qwen3: q and k normalised per head before RoPE (plain RMSNorm weights).
+_NAMES = TensorNames(_GLOBAL_NAMES, _BLOCK_RE, {**_LAYER_NAMES, **_QK_NORM_NAMES})
 # Gemma 3: norms on both sides of each block and per head on q and k. llama.cpp stores the
 # norms as the factor they scale by (Gemma's 1 + w), which is the canonical form.
 _GEMMA3_NAMES = TensorNames(
@@ -44,8 +46,7 @@ _GEMMA3_NAMES = TensorNames(
     _BLOCK_RE,
     {
         **_LAYER_NAMES,
-        "attn_q_norm.weight": "q_norm",
-        "attn_k_norm.weight": "k_norm",
+        **_QK_NORM_NAMES,
         "post_attention_norm.weight": "post_attn_norm",
         "post_ffw_norm.weight": "post_mlp_norm",
     },
@@ -142,7 +143,7 @@ def _config_from_metadata(
     )
   eos_ids = gguf_eos_ids(md)
   n_layers = int(get("block_count"))
-  gemma = {}
+  gemma = {"qk_norm": True} if arch == "qwen3" else {}
   if arch == "gemma3":
     if md.get("gemma3.final_logit_softcapping") is not None:
       raise ValueError(f"{str(path)!r}: gemma3.final_logit_softcapping is not supported")

@@ -25,8 +25,8 @@ TINY = ModelConfig(
 )
 
 
-def random_params(rng, tied=False, bias=False):
-  config = dataclasses.replace(TINY, tie_embeddings=tied, qkv_bias=bias)
+def random_params(rng, tied=False, bias=False, qk_norm=False):
+  config = dataclasses.replace(TINY, tie_embeddings=tied, qkv_bias=bias, qk_norm=qk_norm)
   return {k: rng.standard_normal(s).astype(np.float32) for k, s in config.param_shapes().items()}
 
 
@@ -46,6 +46,8 @@ GGUF_NAMES = {
     "w_gate": "ffn_gate.weight",
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
 }
 
 
@@ -117,6 +119,15 @@ def test_tiny_qwen2_biases_not_permuted_and_tied(tmp_path):
   params = random_params(np.random.default_rng(2), tied=True, bias=True)
   config, loaded, _ = load_gguf(write_gguf(tmp_path / "qwen.gguf", params, arch="qwen2"))
   assert config.qkv_bias and config.tie_embeddings and "lm_head" not in loaded
+  for k, v in params.items():
+    np.testing.assert_array_equal(loaded[k], v, err_msg=k)
+
+
+def test_tiny_qwen3_qk_norms_loaded_and_nothing_permuted(tmp_path):
+  params = random_params(np.random.default_rng(3), tied=True, qk_norm=True)
+  config, loaded, _ = load_gguf(write_gguf(tmp_path / "qwen3.gguf", params, arch="qwen3"))
+  assert config.qk_norm and config.family == "llama" and not config.qkv_bias
+  assert loaded.keys() == params.keys()
   for k, v in params.items():
     np.testing.assert_array_equal(loaded[k], v, err_msg=k)
 
