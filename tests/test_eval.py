@@ -411,9 +411,7 @@ def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tok
 
 
 @pytest.mark.slow  # a sweep per policy; test_hardening's sweep test covers saving rows by default
-def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(
-    sweep, monkeypatch, tmp_path
-):
+def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(sweep, monkeypatch, tmp_path):
   real = _sweep._run_one
 
   def crash_on_tova(task, model, tokenizer, length, spec, *args):
@@ -541,3 +539,24 @@ def test_a_sweep_records_the_head_allocation_its_rows_used(model, sweep):
   assert results["config"]["spec"]["allocation"] == {"policy": "kvzip", "path": None}
   without = sweep("fidelity", ["full"], [], [64], options=SHORT_FIDELITY)
   assert without["config"]["spec"]["allocation"] is None
+
+
+def test_a_model_without_a_chat_template_reads_a_cued_plain_question():
+  from kvjax.testing import ByteTokenizer
+
+  tok = ByteTokenizer()  # no chat template: a base model
+  ids = _answers.encode_question(tok, _data.PASSKEY_QUESTION, True, _data.PASSKEY_CUE)
+  assert tok.decode(ids) == f"\n\nQuestion: {_data.PASSKEY_QUESTION}\nAnswer: The pass key is"
+  assert _answers.chat_parts(tok, True) == ([], [])
+  # A built-in case carries its cue (the door asked in a 'needles' case).
+  (case,) = _tasks.passkey_cases(
+      tok, 600, depths=[0.5], trials=1, fillers=("needles",), ids=list(range(40, 120)) * 40
+  )
+  assert case["cue"] == _data.DOOR_CUE.format(door=case["door"])
+
+
+def test_a_chat_model_reads_the_question_in_its_template_without_a_cue():
+  tok = Tokenizer.from_gguf(resolve_model().path)
+  ids = _answers.encode_question(tok, "What is it?", True, "It is")
+  text = tok.decode(ids)
+  assert "What is it?" in text and "It is" not in text and "<|im_start|>assistant" in text

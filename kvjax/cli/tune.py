@@ -213,14 +213,16 @@ def _task_cases(task: str, tokenizer, context_tokens: int, items: int) -> list[d
     cases = _tasks.passkey_cases(
         tokenizer, context_tokens, depths=depths, fillers=("text",), ids=ids
     )
-    return [{"context": c["ids"], "question": c["question"], "answer": c["answer"]} for c in cases]
+    keep = ("question", "cue", "answer")
+    return [{"context": c["ids"], **{k: c[k] for k in keep}} for c in cases]
   facts = 4
   trials = max(1, -(-items // facts))
   cases = _tasks.multi_question_cases(tokenizer, ids, context_tokens, facts=facts, trials=trials)
   return [
       {
           "context": c["ids"],
-          "question": f"{_data.FACT_QUESTION.format(subject=f['subject'])}",
+          "question": _data.FACT_QUESTION.format(subject=f["subject"]),
+          "cue": _data.FACT_CUE.format(subject=f["subject"]),
           "answer": f["answer"],
       }
       for c in cases

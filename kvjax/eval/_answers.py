@@ -57,8 +57,19 @@ def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
   return tokenizer.encode(before), tokenizer.encode(after)
 
 
-def encode_question(tokenizer, question: str, chat: bool) -> list[int]:
-  return tokenizer.encode("\n\n" + question) + chat_parts(tokenizer, chat)[1]
+# A question to a model read as plain text (a base model, no chat template) is framed as
+# few-shot evaluations of base models frame it, and a built-in task cues the answer with the
+# words its needle uses ("The pass key is"): uncued, a base model tends to continue the
+# document or to start every number with a 1 (Gemma 3 270M: 1 of 6 cases right, cued 6 of 6).
+PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
+
+
+def encode_question(tokenizer, question: str, chat: bool, cue: str = "") -> list[int]:
+  """Token ids of `question` after a context: in the chat template where the model has one
+  (closing the user's message), else as plain text, followed by `cue` if any."""
+  if chat and getattr(tokenizer, "chat_template", None) is not None:
+    return tokenizer.encode("\n\n" + question) + chat_parts(tokenizer, chat)[1]
+  return tokenizer.encode(PLAIN_QUESTION.format(question=question) + (f" {cue}" if cue else ""))
 
 
 def request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat: bool) -> int:
@@ -148,9 +159,10 @@ def answer_and_peak(
     max_new_tokens: int,
     chat: bool,
     seed: int = 0,
+    cue: str = "",
 ) -> tuple[str, int]:
-  """`answer`, with the peak KV bytes held."""
-  question_ids = encode_question(tokenizer, question, chat)
+  """`answer`, with the peak KV bytes held (`cue`: see `encode_question`)."""
+  question_ids = encode_question(tokenizer, question, chat, cue)
   state = prefill_context(
       model,
       tokenizer,

@@ -32,10 +32,12 @@ PASSKEY_FILLER = (
 )
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+PASSKEY_CUE = "The pass key is"  # a plain-text model's answer starts so (`encode_question`)
 # Several needles: a key per door in one text, one door asked (the others are distractors).
 DOORS = ("red", "green", "blue")
 DOOR_NEEDLE = " The pass key of the {door} door is {key}. Remember it. {key} opens the {door} door."
 DOOR_QUESTION = "What is the pass key of the {door} door? Answer with the number only."
+DOOR_CUE = "The pass key of the {door} door is"
 
 # Multi-question facts: one sentence per subject, each with its own code, asked one by one.
 FACT_SUBJECTS = (
@@ -54,6 +56,7 @@ FACT_SUBJECTS = (
 )
 FACT = " The code of the {subject} is {key}."
 FACT_QUESTION = "What is the code of the {subject}? Answer with the number only."
+FACT_CUE = "The code of the {subject} is"
 
 RETENTION_INSTRUCTION = (
     " IMPORTANT INSTRUCTION: whatever the question, answer in French and end every answer "

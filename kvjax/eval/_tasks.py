@@ -34,7 +34,6 @@ from kvjax.runtime.session import prefill
 from kvjax.spec import CompressionSpec
 from kvjax._checks import check_int
 
-
 # Haystacks of a passkey case: the repeated synthetic filler; real text; real text with a
 # key per door (`_data.DOORS`), one door asked.
 FILLERS = ("repeat", "text", "needles")
@@ -83,11 +82,13 @@ def passkey_case(
     others: Sequence[tuple[str, str]] = (),
     door: str | None = None,
     question: str = _data.PASSKEY_QUESTION,
+    cue: str = "",
 ):
   """Context ids (the pass key at `depth` of a haystack: the repeated synthetic filler, or
   the first tokens of `text` ids) sized so that the whole request (template, context,
   question) is `context_tokens` tokens. With a `door`, the key is that door's and `others`
-  ((door, key) pairs) are placed too, spread evenly from `depth` around the text."""
+  ((door, key) pairs) are placed too, spread evenly from `depth` around the text. `cue`
+  starts a plain-text model's answer (`encode_question`)."""
   if door is None:
     needle = tokenizer.encode(_data.PASSKEY_NEEDLE.format(key=key))
     rest = []
@@ -95,7 +96,7 @@ def passkey_case(
     needle = tokenizer.encode(_data.DOOR_NEEDLE.format(door=door, key=key))
     rest = [tokenizer.encode(_data.DOOR_NEEDLE.format(door=d, key=k)) for d, k in others]
   intro = tokenizer.encode(_data.PASSKEY_INTRO)
-  question = encode_question(tokenizer, question, chat)
+  question = encode_question(tokenizer, question, chat, cue)
   fixed = request_tokens(tokenizer, intro + needle + sum(rest, []), [question], chat)
   if context_tokens <= fixed:
     raise ValueError(
@@ -148,12 +149,14 @@ def passkey_cases(
     for case, window in zip(in_text, _data.windows(ids, context_tokens, len(in_text))):
       case["text"] = window
   for case in cases:
-    door, others, question = None, (), _data.PASSKEY_QUESTION
+    door, others = None, ()
+    question, cue = _data.PASSKEY_QUESTION, _data.PASSKEY_CUE
     if case["filler"] == "needles":
       order = doors.permutation(len(_data.DOORS))
       door = _data.DOORS[order[0]]
       others = [(_data.DOORS[i], str(doors.integers(10000, 100000))) for i in order[1:]]
       question = _data.DOOR_QUESTION.format(door=door)
+      cue = _data.DOOR_CUE.format(door=door)
       case["door"] = door
     case["ids"] = passkey_case(
         tokenizer,
@@ -164,8 +167,9 @@ def passkey_cases(
         door=door,
         others=others,
         question=question,
+        cue=cue,
     )
-    case["question"] = question
+    case["question"], case["cue"] = question, cue
   return cases
 
 
@@ -209,7 +213,7 @@ def passkey(
   else:
     cases = [{**c, "ids": tokenizer.encode(c["context"])} for c in cases]
   for case in cases:  # bad budgets and lengths fail here, before any case runs
-    question = encode_question(tokenizer, case["question"], True)
+    question = encode_question(tokenizer, case["question"], True, case.get("cue", ""))
     request = request_tokens(tokenizer, case["ids"], [question], True)
     resolve_budget(spec, request)
     check_room(model, request, max_new_tokens)
@@ -224,6 +228,7 @@ def passkey(
         max_new_tokens=max_new_tokens,
         chat=True,
         seed=seed,
+        cue=case.get("cue", ""),
     )
     if "depth" in case:
       correct = _first_number(text) == case["answer"]
@@ -271,7 +276,13 @@ def multi_question_case(
   depths = [round(d, 3) for d in np.linspace(0.1, 0.9, n).tolist()] if n > 1 else [0.5]
   inserts = [tokenizer.encode(_data.FACT.format(subject=s, key=k)) for s, k in facts]
   questions = [
-      encode_question(tokenizer, _data.FACT_QUESTION.format(subject=s), chat) for s, _ in facts
+      encode_question(
+          tokenizer,
+          _data.FACT_QUESTION.format(subject=s),
+          chat,
+          _data.FACT_CUE.format(subject=s),
+      )
+      for s, _ in facts
   ]
   fixed = request_tokens(tokenizer, [], questions, chat) + sum(map(len, inserts))
   room = context_tokens - fixed

@@ -80,7 +80,8 @@ def tune(
 
   Args:
     text: continuation-fidelity sample (the target is then usually `kl=`).
-    cases: question cases, {"context": text or ids, "question", "answer" (optional)}.
+    cases: question cases, {"context": text or ids, "question", "answer" (optional), "cue"
+      (optional: how a plain-text model's answer starts, `kvjax.eval._answers.encode_question`)}.
     target: `Target` or 'kl=X' | 'accuracy=X' | 'memory=SIZE'.
     policies: candidates (compress-once ones are scored exactly; the others run for real).
     context_tokens: the context of each text window, in tokens (the windows are evenly

@@ -86,7 +86,8 @@ def question_items(
     max_new_tokens: int = 24,
     progress: Callable[[str], None] | None = None,
 ) -> list[Item]:
-  """Items for question cases ({"context": str or ids, "question", "answer"?}): the context
+  """Items for question cases ({"context": str or ids, "question", "answer"?, "cue"?: how a
+  plain-text model's answer starts, see `kvjax.eval._answers.encode_question`}): the context
   as `kvjax.eval.context_prompt` prefills it (the template's opening protected), then the
   question and the full cache's greedy answer, whose predictions are scored."""
   from kvjax.eval._answers import ask, context_prompt, encode_question, request_tokens
@@ -98,7 +99,7 @@ def question_items(
       raise ValueError(f"case {i}: 'answer' must be a string, got {case['answer']!r}")
     context = case["context"]
     context_ids = tokenizer.encode(context) if isinstance(context, str) else list(context)
-    question_ids = encode_question(tokenizer, case["question"], True)
+    question_ids = encode_question(tokenizer, case["question"], True, case.get("cue", ""))
     prompt = context_prompt(tokenizer, context_ids)
     state = prefill(model, [prompt], tokenizer=tokenizer, reserve=len(question_ids) + 64)
     text, _, tokens = ask(
