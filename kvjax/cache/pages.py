@@ -11,7 +11,8 @@ the null page, which keeps every gather in range (its contents are masked by `le
 Pages are not shared between sequences.
 
 Inside jit: `allocate` (append), `free` (eviction, truncation), `drop` (block eviction),
-`cut` (a shorter length), `window` / `unwindow` (a view of some of each sequence's pages, to
+`cut` (a shorter length), `release` / `adopt` (a row's sequences given back, or taken on
+from another cache: continuous batching), `window` / `unwindow` (a view of some of each sequence's pages, to
 append to for a while), and the coordinates of logical slots (`slots`, `locate`,
 `token_slots`). On the host: `live`, `packed_table`, `free_stack`, `grown_free_stacks`
 and `compact_plan`, which re-lay a pool out. What lives in the pages (K/V and the per-slot
@@ -159,6 +160,42 @@ class PageTable:
     length = self.length - evicted.sum(-1) * page_size
     return pages.replace(table=table, length=length), ids
 
+  def release(self, rows: Bool[Array, " B"], page_size: int):
+    """Every sequence of the rows marked in `rows` gives all its pages back and holds no
+    token (a finished request's slot). Returns (table, freed page ids) as `free` does."""
+    owned = jnp.arange(self.table.shape[-1]) < self.held(page_size)[..., None]  # [L, B, H, M]
+    pages, ids = self.free(owned & rows[None, :, None, None])
+    return pages.replace(length=jnp.where(rows[None, :, None], 0, self.length)), ids
+
+  def adopt(
+      self, row, length: Int[Array, "L H"], page_size: int, max_tokens: int
+  ) -> tuple["PageTable", Int[Array, "L H M"], Bool[Array, ""]]:
+    """Row `row` (which must hold nothing: `release` it first) takes fresh pages for
+    sequences of `length` tokens (one per layer and kv head), e.g. a request prefilled in a
+    cache of its own, whose pages the caller then copies in. All or nothing: when the pool
+    is short of pages or a sequence would pass `max_tokens`, the table is unchanged and
+    `fits` is False. Returns (table, the physical page of each of the row's table entries
+    [L, H, M], P (out of range, for scatters with mode='drop') where it takes none, fits)."""
+    num_pages, m = self.free_pages.shape[0], self.table.shape[-1]
+    need = pages_for(length, page_size)  # [L, H]
+    total = need.sum()
+    fits = (total <= self.num_free) & (length <= max_tokens).all()
+    j = jnp.arange(m)
+    rank = (jnp.cumsum(need.reshape(-1)) - need.reshape(-1)).reshape(need.shape)[..., None] + j
+    taken = (j < need[..., None]) & fits  # [L, H, M]
+    page = self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, num_pages - 1)]
+    page = jnp.where(taken, page, num_pages)
+    table = self.table.at[:, row].set(jnp.where(taken, page, NULL_PAGE))
+    return (
+        self.replace(
+            table=jnp.where(fits, table, self.table),
+            length=self.length.at[:, row].set(jnp.where(fits, length, self.length[:, row])),
+            num_free=jnp.where(fits, self.num_free - total, self.num_free),
+        ),
+        page,
+        fits,
+    )
+
   def window(
       self, entries: Int[Array, "#L E"], length: Int[Array, "L B H"], width: int
   ) -> "PageTable":
@@ -172,12 +209,8 @@ class PageTable:
     entries = jnp.asarray(entries)
     if entries.ndim == 1:
       entries = jnp.broadcast_to(entries, (self.table.shape[0], entries.shape[0]))
-    index = jnp.broadcast_to(
-        entries[:, None, None, :], (*self.table.shape[:-1], entries.shape[-1])
-    )
-    picked = jnp.take_along_axis(
-        self.table, index, axis=-1, mode="fill", fill_value=NULL_PAGE
-    )
+    index = jnp.broadcast_to(entries[:, None, None, :], (*self.table.shape[:-1], entries.shape[-1]))
+    picked = jnp.take_along_axis(self.table, index, axis=-1, mode="fill", fill_value=NULL_PAGE)
     pad = [(0, 0)] * (picked.ndim - 1) + [(0, width - picked.shape[-1])]
     return self.replace(table=jnp.pad(picked, pad, constant_values=NULL_PAGE), length=length)
 
