@@ -21,14 +21,15 @@ from kvjax.eviction.sliding import full_layers
 from kvjax.sharding import all_heads, any_shard, constrain, my_heads, on_shards
 
 BUDGET_SCHEDULES = ("uniform", "pyramid")
-_NEVER = jnp.iinfo(jnp.int32).max // 2  # a threshold no sequence passes
+NEVER = jnp.iinfo(jnp.int32).max // 2  # a threshold no sequence passes
 
 
 class TokenScores(Protocol):
   """What eviction asks of a policy (`kvjax.policies.Policy` is one): per-slot scores at an
   eviction event, higher = keep. Frozen and hashable, so compiled steps specialise on it."""
 
-  def scores(self, cache: PagedKVCache, key) -> Float[Array, "L B H N"]: ...
+  def scores(self, cache: PagedKVCache, key) -> Float[Array, "L B H N"]:
+    ...
 
 
 def layer_budgets(
@@ -149,14 +150,32 @@ class EvictionPlan:
   evict: bool = True
   impl: str = "auto"  # group-importance kernel
 
-  def apply(self, cache: PagedKVCache, key) -> PagedKVCache:
-    """Evicts where a sequence (or, per head, a layer) passed its threshold."""
+  def apply(self, cache: PagedKVCache, key, row_budget=None) -> PagedKVCache:
+    """Evicts where a sequence (or, per head, a layer) passed its threshold. `row_budget`
+    ([B] int32, traced; `NEVER` for a row that keeps everything) gives every row its own
+    budget on each full layer instead of the plan's (rows of a served batch, each request
+    with its own); the plan's margin applies. Not with a budget shared across heads."""
     cfg = cache.config
     if not cfg.evicts or not self.evict:
       return cache
     budget = jnp.asarray(self.layer_budget, jnp.int32)  # [L]
     margin = cfg.margin
     full = full_layers(cache)  # sliding layers hold their window: no policy evicts there
+    if row_budget is not None:
+      if self.per_head:
+        raise ValueError("row budgets are per sequence: not with a budget shared across heads")
+      rows = jnp.where(full[:, None], row_budget[None, :], NEVER)[..., None]  # [L, B, 1]
+      threshold = jnp.where(rows >= NEVER, NEVER, rows + margin)
+
+      def run_rows(cache):
+        scores = self.policy.scores(cache, key)
+        if self.fair:
+          scores = fair_scores(
+              scores, logical_view(cache, cache.slot("segment")), valid_mask(cache)
+          )
+        return evict(cache, scores=scores, budget=rows, threshold=threshold, impl=self.impl)
+
+      return jax.lax.cond((cache.length > threshold).any(), run_rows, lambda c: c, cache)
     if self.per_head:
       length = all_heads(cache.length, axis=2)  # a sharded cache: every kv head of the row
       needs = length.sum(-1) > length.shape[2] * (budget[:, None] + margin)  # [L, B]
@@ -170,13 +189,13 @@ class EvictionPlan:
       if self.fair:
         scores = fair_scores(scores, logical_view(cache, cache.slot("segment")), valid)
       if not self.per_head:
-        threshold = jnp.where(full, budget + margin, _NEVER)[:, None, None]
+        threshold = jnp.where(full, budget + margin, NEVER)[:, None, None]
         return evict(
             cache, scores=scores, budget=budget[:, None, None], threshold=threshold, impl=self.impl
         )
       head_budget = head_budgets(scores, protection_mask(cache), valid, budget, "layer")
       # Evict every head of a triggered layer to its share; leave the others alone.
-      limit = jnp.where(needs[..., None], head_budget, _NEVER)
+      limit = jnp.where(needs[..., None], head_budget, NEVER)
       return evict(cache, scores=scores, budget=limit, threshold=limit, impl=self.impl)
 
     # Only sequences past their threshold shrink, so a shard may decide alone; but a budget
@@ -205,7 +224,7 @@ def evict_once(cache: PagedKVCache, threshold, key, *, policy, sharing, auto, im
         sharing,
         threshold=threshold if auto else None,
     )
-    counts = jnp.where(full[:, None, None], counts, _NEVER)
+    counts = jnp.where(full[:, None, None], counts, NEVER)
     return evict(cache, ranked, budget=counts, threshold=counts, impl=impl)
 
   return constrain(on_shards(evict_here, cache, threshold, key, specs=(P(), P())))

@@ -70,19 +70,42 @@ def greedy_token(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def _stochastic(logits, key, temperature, top_k, top_p) -> Int[Array, " B"]:
+  """Temperature, then top-k (0 = off), then top-p; each a scalar or one value per row [B, 1]."""
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
+  v = logits.shape[-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  ranked = jnp.where(jnp.arange(v) < k, ranked, -jnp.inf)
+  probs = jax.nn.softmax(ranked, axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+  keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+  cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
+  return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+
+
 def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[Array, " B"]:
   """Greedy when temperature == 0; else temperature, then top-k (0 = off), then top-p."""
 
   def stochastic(logits):
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
-    v = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    ranked = jnp.where(jnp.arange(v) < k, ranked, -jnp.inf)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
-    return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+    return _stochastic(logits, key, temperature, top_k, top_p)
 
   return jax.lax.cond(temperature > 0, stochastic, greedy_token, logits).astype(jnp.int32)
+
+
+def sample_rows(
+    logits: Float[Array, "B V"],
+    key,
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+) -> Int[Array, " B"]:
+  """`sample` with every row's own values (requests of a served batch): a row at
+  temperature 0 takes its likeliest token; the sampler runs only if some row samples."""
+  greedy = greedy_token(logits)
+
+  def stochastic(logits):
+    drawn = _stochastic(logits, key, temperature[:, None], top_k[:, None], top_p[:, None])
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+  return jax.lax.cond((temperature > 0).any(), stochastic, lambda _: greedy, logits)

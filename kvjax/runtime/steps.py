@@ -31,8 +31,10 @@ from kvjax.spec import CachePlan
 from kvjax.runtime.state import DecodeResult, State, laid_out
 
 
-def _evict(eviction, cache: PagedKVCache, key) -> PagedKVCache:
+def _evict(eviction, cache: PagedKVCache, key, row_budget=None) -> PagedKVCache:
   """`eviction.apply` on every shard of the cache (on the cache itself on one device)."""
+  if row_budget is not None:  # a served batch: one device (`kvjax.serving`)
+    return eviction.apply(cache, key, row_budget)
   return shards.on_shards(eviction.apply, cache, key, specs=(P(),))
 
 
@@ -47,9 +49,7 @@ def _policy(plan: CachePlan):
   return None if plan.eviction is None else plan.eviction.policy
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "plan", "slide"), donate_argnames="cache"
-)
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "slide"), donate_argnames="cache")
 def _prefill_chunk(
     params,
     cache,
@@ -180,6 +180,27 @@ def prefill_chunks(
   return laid_out(state)
 
 
+def feed(model, state: State, token, emit, eviction, evict_key, row_budget=None):
+  """One decode step's cache work: `token` [B] appended where `emit` [B] at each row's
+  position, the logits after it [B, V], sliding windows slid and `eviction` (None: none)
+  run, with per-row budgets where given (`EvictionPlan.apply`). Returns (logits, cache,
+  pages held before anything was freed)."""
+  logits, cache = forward(
+      model,
+      token[:, None],
+      state.position[:, None],
+      state.cache,
+      emit.astype(jnp.int32),
+      policy=_policy(state.plan),
+      attention_impl=state.plan.impl,
+  )
+  held = cache.pages_in_use().sum()
+  cache = _slide(cache)
+  if eviction is not None:
+    cache = _evict(eviction, cache, evict_key, row_budget)
+  return logits[:, 0], cache, held
+
+
 @struct.dataclass
 class _Decoding:
   state: State
@@ -227,24 +248,13 @@ def _decode(params, decoding: _Decoding, stop_tokens, sampling, forced, *, graph
     recorded = d.recorded
     if recorded is not None:
       recorded = recorded.at[rows, d.num_generated].set(s.logits, mode="drop")
-    logits, cache = forward(
-        model,
-        token[:, None],
-        s.position[:, None],
-        s.cache,
-        emit.astype(jnp.int32),
-        policy=_policy(plan),
-        attention_impl=plan.impl,
-    )
+    logits, cache, held = feed(model, s, token, emit, eviction, evict_key)
     # Rows whose new logits are not finite stop the loop with them (`cond`), undrawn.
-    cache = cache.raise_status(_nonfinite(logits[:, 0], emit), Status.NONFINITE_LOGITS)
-    peak_pages = jnp.maximum(s.peak_pages, cache.pages_in_use().sum())
-    cache = _slide(cache)
-    if eviction is not None:
-      cache = _evict(eviction, cache, evict_key)
+    cache = cache.raise_status(_nonfinite(logits, emit), Status.NONFINITE_LOGITS)
+    peak_pages = jnp.maximum(s.peak_pages, held)
     state = s.replace(
         cache=shards.constrain(cache),
-        logits=shards.rows(jnp.where(emit[:, None], logits[:, 0], s.logits), cache.mesh),
+        logits=shards.rows(jnp.where(emit[:, None], logits, s.logits), cache.mesh),
         position=s.position + emit,
         done=s.done | stop,
         key=key,
@@ -483,9 +493,7 @@ def _window(
   ps = cache.config.page_size
   near = first_page <= sink_pages  # the stretch starts in (or just after) the sink
   head = jnp.arange(entries)
-  span = jnp.where(
-      near, head, jnp.where(head < sink_pages, head, first_page + head - sink_pages)
-  )
+  span = jnp.where(near, head, jnp.where(head < sink_pages, head, first_page + head - sink_pages))
   span = jnp.where(head < sink_pages + pages, span, cache.config.max_pages)  # past: null
   capped = jnp.minimum(cache.length, end)  # [L, B, H]
   length = jnp.where(

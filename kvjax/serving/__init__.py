@@ -1,0 +1,6 @@
+"""Serving: requests join and leave one running batch over one page pool (continuous
+batching), so the pages compression frees become admitted requests.
+
+    _batch   the served batch: rows as slots, insert / release / a compiled decode of every
+             active row with its own remaining tokens, budget and sampling values
+"""

@@ -1,0 +1,242 @@
+"""The served batch: S rows over one page pool, each row a slot a request holds while it
+decodes. Requests are prefilled (and their contexts compressed) in states of their own, then
+inserted into a free row; one compiled program decodes every active row a few steps at a
+time, each with its own remaining tokens, running budget and sampling values; a finished row
+is released and its pages go back to the pool. Nothing here recompiles as requests come and
+go: the rows, the pool and the step count are fixed when the batch is made.
+
+    state        `State` of S rows: the cache (table [L, S, H, M] over P pages), next-token
+                 logits [S, V], positions [S], done [S] (stopped at a stop token), the key
+    active       [S] a request holds the row
+    remaining    [S] tokens the row may still generate
+    budget       [S] the row's budget on every full layer for the running policy, or
+                 `NEVER` (the row keeps what it holds: the full cache, or a context its own
+                 policy compressed once)
+    temperature, top_k, top_p   [S] each row's sampling values (`sample_rows`)
+    failed       [S] the model gave the row non-finite logits: it stops, the others go on
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.paged_cache import PagedKVCache, init_cache
+from kvjax.cache.rows import check_insertable, insert_row, release_rows
+from kvjax.eviction.budgets import NEVER
+from kvjax.runtime.sampling import sample_rows
+from kvjax.runtime.state import State
+from kvjax.runtime.steps import feed
+from kvjax.seam import ModelShape
+from kvjax.spec import CachePlan
+
+
+@struct.dataclass
+class Batch:
+  state: State
+  active: Bool[Array, " S"]
+  remaining: Int[Array, " S"]
+  budget: Int[Array, " S"]
+  temperature: Float[Array, " S"]
+  top_k: Int[Array, " S"]
+  top_p: Float[Array, " S"]
+  failed: Bool[Array, " S"]
+
+  @property
+  def rows(self) -> int:
+    return self.active.shape[0]
+
+
+def empty_batch(model, plan: CachePlan, rows: int, num_pages: int, max_tokens: int) -> Batch:
+  """A batch of `rows` free rows over a pool of `num_pages` pages (the null page included),
+  each sequence up to `max_tokens` tokens, laid out as `plan` lays out a request's cache
+  (page size, K/V storage, the running policy's slots and budget, sliding windows)."""
+  shape = ModelShape.of(model)
+  config = dataclasses.replace(plan.config, max_tokens=max_tokens, num_pages=num_pages)
+  policy = None if plan.eviction is None else plan.eviction.policy
+  slots = () if policy is None else policy.slots
+  extra = {}
+  if policy is not None and policy.keeps_extra:
+    from kvjax.seam import query_heads
+
+    extra = policy.init_extra(
+        shape.n_layers, rows, shape.n_kv_heads, query_heads(model), shape.head_dim
+    )
+  cache = init_cache(
+      config, shape.n_layers, rows, shape.n_kv_heads, shape.head_dim, slots=slots, extra=extra
+  )
+  put = jax.device_put
+  state = State(
+      cache=cache,
+      logits=put(np.zeros((rows, shape.vocab_size), np.float32)),
+      position=put(np.zeros((rows,), np.int32)),
+      done=put(np.ones((rows,), bool)),
+      key=jax.random.key(0),
+      peak_pages=put(np.int32(0)),
+      plan=dataclasses.replace(plan, config=None, chunk=1),
+  )
+  return Batch(
+      state=state,
+      active=put(np.zeros((rows,), bool)),
+      remaining=put(np.zeros((rows,), np.int32)),
+      budget=put(np.full((rows,), NEVER, np.int32)),
+      temperature=put(np.zeros((rows,), np.float32)),
+      top_k=put(np.zeros((rows,), np.int32)),
+      top_p=put(np.ones((rows,), np.float32)),
+      failed=put(np.zeros((rows,), bool)),
+  )
+
+
+def insert(batch: Batch, request: State, row: int, *, max_tokens: int, budget: int, sampling):
+  """`batch` with `request` (a prefilled state of one row) in free row `row`, to generate up
+  to `max_tokens` tokens with its running `budget` (`NEVER`: keep all) and `sampling` (a
+  `kvjax.Sampling`). Host-side checks, then one compiled program per request cache shape."""
+  check_insertable(batch.state.cache, request.cache)
+  if request.batch_size != 1:
+    raise ValueError(f"a request state has one row; this one has {request.batch_size}")
+  values = (
+      np.int32(row),
+      np.int32(max_tokens),
+      np.int32(budget),
+      np.float32(sampling.temperature),
+      np.int32(sampling.top_k),
+      np.float32(sampling.top_p),
+  )
+  source = _as_source(request.cache, batch.state.cache)
+  return _insert(batch, source, request.logits, request.position, *map(jax.device_put, values))
+
+
+def _as_source(cache: PagedKVCache, batch: PagedKVCache) -> PagedKVCache:
+  """A request's cache with only what an insert reads, its static parts made canonical, so
+  requests of other policies and budgets but the same array shapes share one compiled
+  insert: the batch's slots (the others are not copied), sizes, no budget."""
+  c = cache.config
+  config = CacheConfig(
+      page_size=c.page_size, max_tokens=c.max_tokens, dtype=c.dtype, windows=c.windows
+  )
+  specs = tuple(spec for spec in batch.slot_specs if spec.name in cache.slots)
+  return cache.replace(
+      config=config,
+      slot_specs=specs,
+      slots={spec.name: cache.slots[spec.name] for spec in specs},
+      extra={name: x for name, x in cache.extra.items() if name in batch.extra},
+      chunk=1,
+  )
+
+
+@functools.partial(jax.jit, donate_argnames="batch")
+def _insert(
+    batch: Batch, source, logits, position, row, max_tokens, budget, temperature, top_k, top_p
+):
+  s = batch.state
+  cache = insert_row(s.cache, row, source)
+  state = s.replace(
+      cache=cache,
+      logits=s.logits.at[row].set(logits[0]),
+      position=s.position.at[row].set(position[0]),
+      done=s.done.at[row].set(False),
+      peak_pages=jnp.maximum(s.peak_pages, cache.pages_in_use().sum()),
+  )
+  return batch.replace(
+      state=state,
+      active=batch.active.at[row].set(True),
+      remaining=batch.remaining.at[row].set(max_tokens),
+      budget=batch.budget.at[row].set(budget),
+      temperature=batch.temperature.at[row].set(temperature),
+      top_k=batch.top_k.at[row].set(top_k),
+      top_p=batch.top_p.at[row].set(top_p),
+      failed=batch.failed.at[row].set(False),
+  )
+
+
+@functools.partial(jax.jit, donate_argnames="batch")
+def release(batch: Batch, rows: Bool[Array, " S"]) -> Batch:
+  """`batch` with `rows` free: their pages back in the pool, nothing of them readable."""
+  s = batch.state
+  state = s.replace(cache=release_rows(s.cache, rows), done=s.done | rows)
+  return batch.replace(
+      state=state,
+      active=batch.active & ~rows,
+      remaining=jnp.where(rows, 0, batch.remaining),
+      budget=jnp.where(rows, NEVER, batch.budget),
+      failed=batch.failed & ~rows,
+  )
+
+
+@struct.dataclass
+class Stepped:
+  """What `run` hands back beside the batch: per row the tokens it generated in this call
+  (the first `count` of `tokens`), whether it stopped at a stop token, whether it failed."""
+
+  tokens: Int[Array, "S K"]
+  count: Int[Array, " S"]
+  stopped: Bool[Array, " S"]
+  failed: Bool[Array, " S"]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames="batch")
+def run(params, batch: Batch, stop_tokens, *, graphdef, steps: int) -> tuple[Batch, Stepped]:
+  """Up to `steps` decode steps of every active row (fewer when no row is left to go on).
+  A row goes on while it is active, has tokens left, has not stopped and has not failed."""
+  model = nnx.merge(graphdef, params)
+  eviction = batch.state.plan.eviction
+  rows = jnp.arange(batch.rows)
+
+  def live(b: Batch):
+    return b.active & ~b.state.done & (b.remaining > 0) & ~b.failed
+
+  def cond(carry):
+    b, _, step = carry
+    return (step < steps) & live(b).any()
+
+  def body(carry):
+    b, out, step = carry
+    s = b.state
+    key, sub, evict_key = jax.random.split(s.key, 3)
+    token = sample_rows(s.logits, sub, b.temperature, b.top_k, b.top_p)
+    going = live(b)
+    stop = going & jnp.isin(token, stop_tokens)
+    emit = going & ~stop
+    tokens = out.tokens.at[rows, out.count].set(jnp.where(emit, token, 0), mode="drop")
+    logits, cache, held = feed(model, s, token, emit, eviction, evict_key, b.budget)
+    # A row whose logits are not finite fails alone: its token stands, nothing is drawn
+    # from them, and the other rows go on.
+    bad = emit & ~jnp.isfinite(logits).all(-1)
+    state = s.replace(
+        cache=cache,
+        logits=jnp.where((emit & ~bad)[:, None], logits, s.logits),
+        position=s.position + emit,
+        done=s.done | stop,
+        key=key,
+        peak_pages=jnp.maximum(s.peak_pages, held),
+    )
+    b = b.replace(state=state, remaining=b.remaining - emit, failed=b.failed | bad)
+    out = out.replace(
+        tokens=tokens,
+        count=out.count + emit,
+        stopped=out.stopped | stop,
+        failed=out.failed | bad,
+    )
+    return b, out, step + 1
+
+  out = Stepped(
+      tokens=jnp.zeros((batch.rows, steps), jnp.int32),
+      count=jnp.zeros((batch.rows,), jnp.int32),
+      stopped=jnp.zeros((batch.rows,), bool),
+      failed=jnp.zeros((batch.rows,), bool),
+  )
+  batch, out, _ = jax.lax.while_loop(cond, body, (batch, out, jnp.int32(0)))
+  return batch, out
+
+
+def run_steps(model, batch: Batch, stop_tokens: np.ndarray, steps: int):
+  """`run` from the host: (batch, Stepped) with the model split into its static graph."""
+  graphdef, params = nnx.split(model)
+  return run(params, batch, jax.device_put(stop_tokens), graphdef=graphdef, steps=steps)

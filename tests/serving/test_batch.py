@@ -1,0 +1,99 @@
+"""The served batch (kvjax.serving._batch): requests prefilled alone, inserted into free rows
+of one pool, decoded together, released; a row's tokens and logits do not depend on its
+neighbours, and a released row leaves nothing behind."""
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.eviction.budgets import NEVER
+from kvjax.seam import ModelShape
+from kvjax.serving import _batch
+from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_llama
+
+TOK = ByteTokenizer()
+STOP = np.asarray([-1], np.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_llama(max_context=256, qk_scale=20)
+
+
+def _plan(model, spec):
+  return spec.plan(ModelShape.of(model), batch=1, longest=64, reserve=64)
+
+
+def _prefill(model, prompt, spec):
+  return kvjax.prefill(model, [prompt], spec, tokenizer=TOK)
+
+
+def _serve(model, spec, schedule, rows=3, steps=4, num_pages=200):
+  """Runs `schedule`: (row, prompt, max_tokens) in order of arrival, each inserted as soon as
+  its row is free. Returns {index: (tokens, final logits)} and the batch at the end."""
+  batch = _batch.empty_batch(model, _plan(model, spec), rows, num_pages, max_tokens=256)
+  budget = NEVER if not spec.evicts else spec.budget
+  pending = list(enumerate(schedule))
+  holder, out, logits, longest = {}, {}, {}, 0
+  while pending or holder:
+    for i, (row, prompt, max_tokens) in list(pending):
+      if row not in holder:
+        request = _prefill(model, prompt, spec)
+        batch = _batch.insert(
+            batch, request, row, max_tokens=max_tokens, budget=budget, sampling=kvjax.Sampling()
+        )
+        holder[row], out[i] = i, []
+        pending.remove((i, (row, prompt, max_tokens)))
+    batch, stepped = _batch.run_steps(model, batch, STOP, steps)
+    longest = max(longest, int(np.asarray(batch.state.cache.length).max()))
+    count, tokens = np.asarray(stepped.count), np.asarray(stepped.tokens)
+    remaining = np.asarray(batch.remaining)
+    finished = np.zeros(rows, bool)
+    for row, i in list(holder.items()):
+      out[i] += tokens[row, : count[row]].tolist()
+      if remaining[row] == 0:
+        logits[i] = np.asarray(batch.state.logits[row])
+        finished[row] = True
+        del holder[row]
+    if finished.any():
+      batch = _batch.release(batch, finished)
+  return {i: (out[i], logits[i]) for i in out}, batch, longest
+
+
+def test_a_rows_tokens_and_logits_do_not_depend_on_its_neighbours(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  target = "the quick brown fox jumps over the lazy dog"
+  first, _, _ = _serve(model, spec, [(1, target, 10), (0, "hello there", 3), (0, "abc " * 9, 9)])
+  second, _, _ = _serve(model, spec, [(1, target, 10), (0, "zz top " * 7, 6), (0, "x", 9)])
+  assert len(first[0][0]) == 10 and first[0][0] == second[0][0]
+  np.testing.assert_array_equal(first[0][1], second[0][1])
+  # The request alone (kvjax.decode, its own cache) generates the same tokens.
+  state, result = kvjax.decode(model, _prefill(model, target, spec), 10)
+  assert result.tokens[0] == first[0][0]
+  np.testing.assert_allclose(np.asarray(state.logits[0]), first[0][1], atol=1e-5)
+  # A row reused after a release reads nothing of the request before it.
+  alone, _, _ = _serve(model, spec, [(0, "abc " * 9, 9)])
+  assert alone[0][0] == first[2][0]
+  np.testing.assert_array_equal(alone[0][1], first[2][1])
+
+
+def test_a_running_budget_per_row_bounds_that_row_only(model):
+  spec = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=8)
+  long = "the quick brown fox jumps over the lazy dog " * 2
+  results, batch, longest = _serve(model, spec, [(0, long, 40), (1, long, 40)], steps=8)
+  assert len(results[0][0]) == 40 and results[0][0] == results[1][0]  # one request, two rows
+  assert longest <= 16 + batch.state.cache.config.margin  # evicted as it went
+  state, alone = kvjax.decode(model, _prefill(model, long, spec), 40)
+  assert alone.tokens[0] == results[0][0]
+
+
+def test_many_requests_leave_no_row_or_page_held(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  schedule = [(i % 3, "request %d " % i * (1 + i % 4), 1 + i % 5) for i in range(24)]
+  results, batch, _ = _serve(model, spec, schedule)
+  assert len(results) == 24 and all(len(tokens) >= 1 for tokens, _ in results.values())
+  assert not np.asarray(batch.active).any()
+  assert int(np.asarray(batch.state.cache.length).sum()) == 0
+  assert int(batch.state.cache.pages.num_free) == batch.state.cache.num_pages - 1
+  assert_cache_invariants(batch.state.cache)
