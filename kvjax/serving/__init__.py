@@ -3,4 +3,10 @@ batching), so the pages compression frees become admitted requests.
 
     _batch   the served batch: rows as slots, insert / release / a compiled decode of every
              active row with its own remaining tokens, budget and sampling values
+    _engine  `Engine`: admission by the pages a request's plan needs, a bounded queue,
+             cancels; one thread owns every device call; no HTTP
 """
+
+from kvjax.serving._engine import Engine, EngineConfig, QueueFull, Request, RequestTooLarge
+
+__all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "RequestTooLarge"]

@@ -1,0 +1,383 @@
+"""The engine: requests in, tokens out, over one served batch (`_batch`). It knows nothing of
+HTTP: a request is token ids (or `Segment`s) with a `CompressionSpec`, a token limit and
+sampling values; what it produces goes to the request's callback.
+
+Admission is by memory. Each request reserves the pages its plan needs at its peak (its
+prompt as its policy keeps it, plus its new tokens under its running budget, or its window
+on a sliding layer); it is admitted when a row is free and the pool has that many pages not
+reserved, so a running request never runs out of pages. What cannot be admitted yet waits
+in a bounded queue (`QueueFull` past it); a request whose plan could never fit the pool is
+refused (`RequestTooLarge`, naming the limit). Reservations are made on the prompt before it
+is read, then brought down to what the compressed context actually holds.
+
+One thread owns every device call: it reads (prefills) admitted requests, inserts them into
+free rows, runs `steps` decode steps of every active row, hands each request its tokens and
+releases finished or cancelled rows. Callbacks run on that thread: keep them short (the HTTP
+layer hands them over to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvjax.cache.pages import pages_for
+from kvjax.cache.paged_cache import check_status, to_host
+from kvjax.cache.sizing import window_peak
+from kvjax.eviction.budgets import NEVER
+from kvjax.runtime.sampling import Sampling
+from kvjax.runtime.session import prefill
+from kvjax.seam import ModelShape
+from kvjax.serving import _batch
+from kvjax.spec import CompressionSpec
+from pallas_kernels import page_format
+
+
+class QueueFull(RuntimeError):
+  """The waiting queue is full: try again later (HTTP 429)."""
+
+
+class RequestTooLarge(ValueError):
+  """The request's plan could never fit the pool, or passes the rows' length (HTTP 400)."""
+
+  def __init__(self, message: str, field: str):
+    super().__init__(message)
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The served batch's shape, fixed when the engine starts.
+
+  rows: requests decoded at once (the batch's rows).
+  kv_memory: bytes of K/V for the page pool all rows share.
+  max_tokens: tokens a row holds at most (a request's prompt and new tokens as kept); by
+    default the model context.
+  steps: decode steps between two scheduling rounds (admissions, releases, cancels).
+  queue: requests waiting for memory at most; past it `submit` raises `QueueFull`.
+  """
+
+  rows: int = 8
+  kv_memory: int = 64 * 2**20
+  max_tokens: int | None = None
+  steps: int = 4
+  queue: int = 64
+
+  def __post_init__(self):
+    for name in ("rows", "kv_memory", "steps", "queue"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass
+class Request:
+  """One request: `prompt` (token ids, or `Segment`s, as `kvjax.prefill` takes one row),
+  compressed by `spec`, generating up to `max_tokens` tokens with `sampling`. `emit(event)`
+  receives ("tokens", [ids]) as they come, then one ("done", finish_reason) or
+  ("error", message). `finish_reason`: "stop" (a stop token) or "length"."""
+
+  prompt: object
+  spec: CompressionSpec
+  max_tokens: int
+  emit: Callable[[tuple], None]
+  sampling: Sampling = Sampling()
+  seed: int = 0
+  id: int = dataclasses.field(default_factory=itertools.count().__next__)
+  # Set by the engine.
+  prompt_tokens: int = 0
+  reserved: int = 0
+  arrived: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class Engine:
+  """Continuous batching over one page pool (see the module docstring).
+
+  engine = Engine(model, tokenizer, CompressionSpec(policy="h2o", budget=256), config)
+  engine.start()
+  engine.submit(Request(ids, spec, max_tokens=64, emit=print))
+  ...
+  engine.stop()            # finishes what runs (drain), then stops the thread
+  """
+
+  def __init__(self, model, tokenizer, spec: CompressionSpec, config: EngineConfig):
+    self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
+    self.shape = ModelShape.of(model)
+    max_tokens = config.max_tokens or self.shape.max_context
+    plan = spec.plan(self.shape, batch=1, longest=1, reserve=0)
+    page_size = plan.config.page_size
+    self.max_tokens = pages_for(min(max_tokens, self.shape.max_context), page_size) * page_size
+    dtype = spec.kv_dtype or self.shape.dtype
+    self.page_bytes = 2 * page_size * page_format.token_bytes(self.shape.head_dim, dtype)
+    num_pages = config.kv_memory // self.page_bytes  # usable pages (the null page is extra)
+    if num_pages < 1:
+      raise ValueError(
+          f"kv_memory={config.kv_memory} bytes holds no page of {self.page_bytes} bytes"
+      )
+    # Rows evict with the server's running policy (each with its own budget); a server whose
+    # policy compresses once, or keeps all, decodes without eviction.
+    self.running = spec.evicts and not spec.once
+    if not self.running:
+      plan = dataclasses.replace(
+          plan, eviction=None, config=dataclasses.replace(plan.config, budget=None)
+      )
+    self.batch = _batch.empty_batch(model, plan, config.rows, num_pages + 1, self.max_tokens)
+    cfg = self.batch.state.cache.config
+    self.windows = np.asarray(cfg.windows or (0,) * self.shape.n_layers)
+    self.margin = cfg.margin if cfg.evicts else 0
+    self.capacity = num_pages
+    self.stop_tokens = np.asarray(list(tokenizer.eos_ids or ()) or [-1], np.int32)
+    self._lock = threading.Condition()
+    self._queue: collections.deque[Request] = collections.deque()
+    self._cancelled: set[int] = set()
+    self._rows: dict[int, Request] = {}  # row -> request
+    self._reserved = 0
+    self._running = False
+    self._thread: threading.Thread | None = None
+    self.counters = collections.Counter()
+
+  # ---- sizes ---------------------------------------------------------------------------
+
+  def row_budget(self, spec: CompressionSpec, prompt_tokens: int) -> int:
+    """The running budget a request's row keeps on the full layers (`NEVER`: all)."""
+    if spec.once or not spec.evicts:
+      return NEVER
+    return spec.budget_tokens(prompt_tokens)
+
+  def layer_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
+    """Pages a row needs at its peak, per layer [L]: sequences holding `kept` tokens ([L, H], or one count
+    for all) that grow by up to `max_tokens`, a full layer's evicted back once it passes
+    `budget` and the margin (a sliding layer's, once past its window)."""
+    kept = np.broadcast_to(np.asarray(kept, np.int64), (self.shape.n_layers, self.shape.n_kv_heads))
+    ps = self.batch.state.cache.config.page_size
+    grown = kept + max_tokens
+    cap = np.where(
+        self.windows > 0,
+        window_peak(self.windows, ps, 1),
+        np.int64(NEVER) if budget >= NEVER else budget + self.margin + 1,
+    )[:, None]
+    peak = np.minimum(grown, np.maximum(kept, cap))
+    return pages_for(peak, ps).sum(-1)  # [L]
+
+  def pages_needed(self, kept, max_tokens: int, budget: int) -> int:
+    """`layer_pages` over all layers."""
+    return int(self.layer_pages(kept, max_tokens, budget).sum())
+
+  def _bound(self, request: Request) -> int:
+    """Pages a request needs at most, before its prompt is read: its prompt kept whole, or
+    its budget where it compresses the context once (each sequence at most a page over)."""
+    spec, n, new = request.spec, request.prompt_tokens, request.max_tokens
+    whole = self.pages_needed(n, new, self.row_budget(spec, n))
+    if not spec.once or spec.auto:
+      return whole
+    # Compressed once: the full layers keep `budget` tokens per sequence on average (one
+    # ranking may give a sequence more and another less: counted over them all, plus a
+    # partly filled page each), the sliding ones their window.
+    ps = self.batch.state.cache.config.page_size
+    full = int((self.windows == 0).sum()) * self.shape.n_kv_heads
+    sliding = int(self.layer_pages(n, new, NEVER)[self.windows > 0].sum())
+    kept = pages_for(full * (spec.budget_tokens(n) + new), ps) + full
+    return min(whole, sliding + kept)
+
+  # ---- requests ------------------------------------------------------------------------
+
+  def check(self, request: Request) -> None:
+    """Raises `RequestTooLarge` (naming the field and the limit) or ValueError unless the
+    request can ever run here; sets its `prompt_tokens`."""
+    from kvjax.runtime.prompts import encode_prompts
+
+    spec = request.spec
+    if spec.once or not spec.evicts:
+      pass
+    elif not self.running or spec.policy != self.spec.policy:
+      raise ValueError(
+          f"policy {spec.policy.name!r} evicts while decoding; this server's rows decode with "
+          f"{self.spec.policy.name if self.running else 'no running policy'}: ask for "
+          "that one (any budget), the full cache, or a policy that compresses the context once"
+      )
+    if (spec.kv_dtype or self.shape.dtype) != (self.spec.kv_dtype or self.shape.dtype):
+      raise RequestTooLarge(
+          f"kv_dtype {spec.kv_dtype!r} differs from this server's pages "
+          f"({self.spec.kv_dtype or self.shape.dtype})",
+          "kv_dtype",
+      )
+    if spec.page_size != self.spec.page_size:
+      raise RequestTooLarge(
+          f"page_size {spec.page_size} differs from this server's {self.spec.page_size}",
+          "page_size",
+      )
+    encoded = encode_prompts(
+        self.tokenizer, [request.prompt], chat=False, vocab_size=self.shape.vocab_size
+    )
+    request.prompt_tokens = n = int(encoded.lengths[0])
+    if n + request.max_tokens > self.max_tokens:
+      raise RequestTooLarge(
+          f"a prompt of {n} tokens and max_tokens={request.max_tokens} pass the "
+          f"{self.max_tokens} tokens a row holds",
+          "max_tokens" if n < self.max_tokens else "prompt",
+      )
+    spec.plan(self.shape, batch=1, longest=n, reserve=0)  # the spec's own checks
+    need = self._bound(request)
+    if need > self.capacity:
+      raise RequestTooLarge(
+          f"the request needs {need} pages of {self.page_bytes} bytes at its peak; the pool "
+          f"holds {self.capacity} (kv_memory {self.capacity * self.page_bytes} bytes)",
+          "max_tokens",
+      )
+
+  def submit(self, request: Request) -> Request:
+    """Queues `request` (checked first: `check`); `QueueFull` when the queue is full."""
+    self.check(request)
+    with self._lock:
+      if not self._running:
+        raise RuntimeError("the engine is not running")
+      if len(self._queue) >= self.config.queue:
+        self.counters["rejected"] += 1
+        raise QueueFull(f"{len(self._queue)} requests are waiting (the queue's limit)")
+      self._queue.append(request)
+      self.counters["submitted"] += 1
+      self._lock.notify()
+    return request
+
+  def cancel(self, request_id: int) -> None:
+    """Stops a request wherever it is (queued or decoding); its row is freed in the next
+    scheduling round. It gets no further event."""
+    with self._lock:
+      self._cancelled.add(request_id)
+      self._lock.notify()
+
+  def stats(self) -> dict:
+    with self._lock:
+      return {
+          "rows": self.config.rows,
+          "rows_in_use": len(self._rows),
+          "queue": len(self._queue),
+          "pages": self.capacity,
+          "pages_reserved": self._reserved,
+          "page_bytes": self.page_bytes,
+          **self.counters,
+      }
+
+  # ---- the thread ----------------------------------------------------------------------
+
+  def start(self) -> "Engine":
+    with self._lock:
+      self._running = True
+    self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
+    self._thread.start()
+    return self
+
+  def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+    """Stops the thread: with `drain`, after every queued and running request finished;
+    without, every one of them ends now with an error event."""
+    with self._lock:
+      self._running = False
+      if not drain:
+        for request in [*self._queue, *self._rows.values()]:
+          self._cancelled.add(request.id)
+          request.emit(("error", "the server is stopping"))
+      self._lock.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  def _loop(self) -> None:
+    while True:
+      with self._lock:
+        while self._running and not self._queue and not self._rows and not self._cancelled:
+          self._lock.wait()
+        if not self._running and not self._queue and not self._rows:
+          return
+        cancelled, self._cancelled = self._cancelled, set()
+        self._queue = collections.deque(r for r in self._queue if r.id not in cancelled)
+      self._release([row for row, r in self._rows.items() if r.id in cancelled], "cancelled")
+      self._admit()
+      if self._rows:
+        self._step()
+
+  def _admit(self) -> None:
+    """Reads and inserts queued requests, in order, while a row and their pages are free."""
+    while True:
+      with self._lock:
+        free = [row for row in range(self.config.rows) if row not in self._rows]
+        if not self._queue or not free:
+          return
+        request = self._queue[0]
+        need = self._bound(request)
+        if self._reserved + need > self.capacity:
+          return  # the head of the queue waits for pages (no overtaking: no starvation)
+        self._queue.popleft()
+        self._reserved += need
+        request.reserved = need
+      self._start(request, free[0])
+
+  def _start(self, request: Request, row: int) -> None:
+    try:
+      state = prefill(
+          self.model,
+          [request.prompt],
+          request.spec,
+          tokenizer=self.tokenizer,
+          reserve=0,
+          seed=request.seed,
+      )
+      budget = self.row_budget(request.spec, request.prompt_tokens)
+      kept = to_host(state.cache.length)[:, 0]  # [L, H]
+      need = self.pages_needed(kept, request.max_tokens, budget)
+      self.batch = _batch.insert(
+          self.batch,
+          state,
+          row,
+          max_tokens=request.max_tokens,
+          budget=budget,
+          sampling=request.sampling,
+      )
+      check_status(self.batch.state.cache)
+    except Exception as err:  # noqa: BLE001 - one request fails alone
+      with self._lock:
+        self._reserved -= request.reserved
+      self.counters["failed"] += 1
+      request.emit(("error", f"{type(err).__name__}: {err}".splitlines()[0]))
+      return
+    with self._lock:
+      self._reserved += need - request.reserved  # what the compressed context holds
+      request.reserved = need
+      self._rows[row] = request
+
+  def _step(self) -> None:
+    self.batch, out = _batch.run_steps(self.model, self.batch, self.stop_tokens, self.config.steps)
+    count, tokens = to_host(out.count), to_host(out.tokens)
+    stopped, failed = to_host(out.stopped), to_host(out.failed)
+    remaining = to_host(self.batch.remaining)
+    done = []
+    for row, request in list(self._rows.items()):
+      if request.id in self._cancelled:
+        continue  # released next round, silently
+      if count[row]:
+        request.emit(("tokens", tokens[row, : count[row]].tolist()))
+        self.counters["generated_tokens"] += int(count[row])
+      if failed[row]:
+        request.emit(("error", "NumericsError: the model gave non-finite logits"))
+        done.append((row, "failed"))
+      elif stopped[row] or remaining[row] == 0:
+        request.emit(("done", "stop" if stopped[row] else "length"))
+        done.append((row, "finished"))
+    for row, why in done:
+      self._release([row], why)
+
+  def _release(self, rows: list[int], why: str) -> None:
+    if not rows:
+      return
+    mask = np.zeros(self.config.rows, bool)
+    mask[rows] = True
+    self.batch = _batch.release(self.batch, mask)
+    with self._lock:
+      for row in rows:
+        request = self._rows.pop(row)
+        self._reserved -= request.reserved
+        self.counters[why] += 1

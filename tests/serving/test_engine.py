@@ -1,0 +1,127 @@
+"""The engine (kvjax.serving._engine): admission by the pages a request's plan needs, a bounded
+queue, cancels, and every request's tokens as if it ran alone."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.serving._engine import Engine, EngineConfig, QueueFull, Request, RequestTooLarge
+from kvjax.testing import ByteTokenizer, tiny_llama
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_llama(max_context=256, qk_scale=20)
+
+
+class Collector:
+  """A request's events, and an Event set when it ends."""
+
+  def __init__(self):
+    self.tokens, self.end, self.finished = [], None, threading.Event()
+
+  def __call__(self, event):
+    kind, value = event
+    if kind == "tokens":
+      self.tokens += value
+    else:
+      self.end = event
+      self.finished.set()
+
+
+def _request(prompt, spec, max_tokens):
+  c = Collector()
+  return Request(TOK.encode(prompt), spec, max_tokens, c), c
+
+
+def _engine(model, spec, pages, rows=4, queue=64):
+  """An engine whose pool holds `pages` pages of `spec`'s page size (float32 K/V)."""
+  c = model.config
+  kv_memory = pages * 2 * spec.page_size * c.head_dim * 4
+  config = EngineConfig(rows=rows, kv_memory=kv_memory, max_tokens=256, steps=4, queue=queue)
+  return Engine(model, TOK, spec, config).start()
+
+
+def _alone(model, prompt, spec, max_tokens):
+  state = kvjax.prefill(model, [TOK.encode(prompt)], spec)
+  return kvjax.decode(model, state, max_tokens)[1].tokens[0]
+
+
+def test_requests_beyond_the_rows_and_the_pool_wait_and_each_runs_as_alone(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=60)
+  prompts = [f"request number {i} " * (1 + i % 3) for i in range(12)]
+  submitted = [_request(p, spec, 6 + i % 4) for i, p in enumerate(prompts)]
+  most = 0
+  for request, _ in submitted:
+    engine.submit(request)
+  for request, c in submitted:
+    while not c.finished.wait(0.05):
+      stats = engine.stats()
+      most = max(most, stats["rows_in_use"])
+      assert stats["pages_reserved"] <= stats["pages"]
+    assert c.end == ("done", "length")
+  for (request, c), prompt in zip(submitted, prompts):
+    assert c.tokens == _alone(model, prompt, spec, request.max_tokens)
+  engine.stop()
+  stats = engine.stats()
+  assert stats["rows_in_use"] == 0 and stats["pages_reserved"] == 0 and stats["finished"] == 12
+  assert int(np.asarray(engine.batch.state.cache.length).sum()) == 0
+  assert 1 <= most <= 4
+
+
+def test_a_request_that_could_never_fit_is_refused_naming_the_limit(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=4)
+  request, _ = _request("a long prompt " * 10, spec, 8)
+  with pytest.raises(RequestTooLarge, match="the pool holds 4") as err:
+    engine.submit(request)
+  assert err.value.field == "max_tokens"
+  request, _ = _request("hi", spec, 300)
+  with pytest.raises(RequestTooLarge, match="256 tokens a row holds"):
+    engine.submit(request)
+  engine.stop()
+
+
+def test_a_full_queue_refuses_and_a_cancel_frees_the_row(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=400, rows=1, queue=1)
+  first, c1 = _request("the first one", spec, 200)
+  engine.submit(first)
+  while not c1.tokens:
+    c1.finished.wait(0.05)
+  second, c2 = _request("the second", spec, 4)
+  engine.submit(second)  # waits for the row
+  third, _ = _request("the third", spec, 4)
+  with pytest.raises(QueueFull):
+    engine.submit(third)
+  engine.cancel(first.id)
+  assert c2.finished.wait(60) and c2.end == ("done", "length")
+  assert not c1.finished.is_set()  # a cancelled request hears nothing more
+  engine.stop()
+  assert engine.stats()["cancelled"] == 1 and engine.stats()["pages_reserved"] == 0
+
+
+def test_a_running_budget_admits_more_requests_into_the_same_memory(model):
+  pages = 160  # full cache: 76 pages a request; h2o at 16 tokens: 16
+  prompt = "the quick brown fox jumps over the lazy dog " * 2
+  most = {}
+  for name, spec in [
+      ("full", kvjax.CompressionSpec(page_size=8)),
+      ("h2o", kvjax.CompressionSpec(policy="h2o", budget=16, page_size=8)),
+  ]:
+    engine = _engine(model, spec, pages, rows=8)
+    requests = [_request(prompt, spec, 60) for _ in range(8)]
+    for request, _ in requests:
+      engine.submit(request)
+    most[name] = 0
+    for _, c in requests:
+      while not c.finished.wait(0.02):
+        most[name] = max(most[name], engine.stats()["rows_in_use"])
+      assert c.end == ("done", "length") and len(c.tokens) == 60
+    engine.stop()
+  assert most["h2o"] >= 3 * most["full"], most
