@@ -45,7 +45,7 @@ def _same_sequences(cache, row, source):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, pytest.param("int8", marks=pytest.mark.slow)])
 def test_inserted_rows_hold_the_requests_and_released_rows_give_every_page_back(kv_dtype):
   model = tiny_llama(max_context=256, qk_scale=20)
   spec = kvjax.CompressionSpec(page_size=8, kv_dtype=kv_dtype)
@@ -90,6 +90,7 @@ def test_a_request_that_does_not_fit_changes_nothing_and_says_why():
     kvjax.check_status(narrow)
 
 
+@pytest.mark.slow
 def test_a_hybrid_request_moves_with_its_windows():
   model = tiny_gemma3(window=8, max_context=256, qk_scale=3.0)
   source = _request(

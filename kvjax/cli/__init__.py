@@ -1,6 +1,6 @@
 """The `kvjax` command line: `main` and the top-level parser. Each command family adds its
 own subcommands: generate.py (generate, warmup), evaluate.py (eval, bench), state.py
-(prefill, ask), tune.py (tune, train-scorer), doctor.py (doctor)."""
+(prefill, ask), tune.py (tune, train-scorer), doctor.py (doctor), serve.py (serve)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from kvjax.cli import doctor, evaluate, generate, state, tune
+from kvjax.cli import doctor, evaluate, generate, serve, state, tune
 from kvjax.cli.common import EXIT_FAILED, EXIT_USAGE, Parser
 from kvjax.cli.spec_flags import spec_from_args
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
   state.add_parsers(commands)
   tune.add_tune_parser(commands)
   doctor.add_parsers(commands)
+  serve.add_parsers(commands)
   return parser
 
 

@@ -141,6 +141,7 @@ class Engine:
     self._running = False
     self._thread: threading.Thread | None = None
     self.counters = collections.Counter()
+    self._rate = 0.0  # tokens per second over the last decode round
 
   # ---- sizes ---------------------------------------------------------------------------
 
@@ -225,10 +226,12 @@ class Engine:
     spec.plan(self.shape, batch=1, longest=n, reserve=0)  # the spec's own checks
     need = self._bound(request)
     if need > self.capacity:
+      # The prompt alone, or only with its new tokens, passes the pool.
+      alone = self._bound(dataclasses.replace(request, max_tokens=0))
       raise RequestTooLarge(
           f"the request needs {need} pages of {self.page_bytes} bytes at its peak; the pool "
           f"holds {self.capacity} (kv_memory {self.capacity * self.page_bytes} bytes)",
-          "max_tokens",
+          "prompt" if alone > self.capacity else "max_tokens",
       )
 
   def submit(self, request: Request) -> Request:
@@ -261,6 +264,7 @@ class Engine:
           "pages": self.capacity,
           "pages_reserved": self._reserved,
           "page_bytes": self.page_bytes,
+          "tokens_per_s": self._rate,
           **self.counters,
       }
 
@@ -350,8 +354,10 @@ class Engine:
       self._rows[row] = request
 
   def _step(self) -> None:
+    start = time.perf_counter()
     self.batch, out = _batch.run_steps(self.model, self.batch, self.stop_tokens, self.config.steps)
     count, tokens = to_host(out.count), to_host(out.tokens)
+    self._rate = round(float(count.sum()) / max(time.perf_counter() - start, 1e-9), 2)
     stopped, failed = to_host(out.stopped), to_host(out.failed)
     remaining = to_host(self.batch.remaining)
     done = []

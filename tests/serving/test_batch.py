@@ -78,6 +78,7 @@ def test_a_rows_tokens_and_logits_do_not_depend_on_its_neighbours(model):
   np.testing.assert_array_equal(alone[0][1], first[2][1])
 
 
+@pytest.mark.slow
 def test_a_running_budget_per_row_bounds_that_row_only(model):
   spec = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=8)
   long = "the quick brown fox jumps over the lazy dog " * 2
@@ -88,6 +89,7 @@ def test_a_running_budget_per_row_bounds_that_row_only(model):
   assert alone.tokens[0] == results[0][0]
 
 
+@pytest.mark.slow
 def test_many_requests_leave_no_row_or_page_held(model):
   spec = kvjax.CompressionSpec(page_size=8)
   schedule = [(i % 3, "request %d " % i * (1 + i % 4), 1 + i % 5) for i in range(24)]

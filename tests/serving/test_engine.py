@@ -51,6 +51,7 @@ def _alone(model, prompt, spec, max_tokens):
   return kvjax.decode(model, state, max_tokens)[1].tokens[0]
 
 
+@pytest.mark.slow
 def test_requests_beyond_the_rows_and_the_pool_wait_and_each_runs_as_alone(model):
   spec = kvjax.CompressionSpec(page_size=8)
   engine = _engine(model, spec, pages=60)
@@ -87,6 +88,7 @@ def test_a_request_that_could_never_fit_is_refused_naming_the_limit(model):
   engine.stop()
 
 
+@pytest.mark.slow
 def test_a_full_queue_refuses_and_a_cancel_frees_the_row(model):
   spec = kvjax.CompressionSpec(page_size=8)
   engine = _engine(model, spec, pages=400, rows=1, queue=1)

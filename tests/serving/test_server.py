@@ -1,0 +1,206 @@
+"""`kvjax serve` as a user runs it: the real process on 127.0.0.1 (a free port), the default
+model, talked to with the official `openai` client and `httpx`. Every loop is bounded."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
+
+
+def _start(tmp_path, *flags):
+  keys = tmp_path / "keys.txt"
+  keys.write_text("# two tenants\n" + "\n".join(KEYS) + "\n")
+  log = open(tmp_path / "server.log", "w+")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "kvjax.cli", "serve", "--port", "0", "--api-keys", str(keys), *flags],
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env={**os.environ, "PYTHONUNBUFFERED": "1"},
+  )
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline:
+    log.seek(0)
+    text = log.read()
+    if "on http://127.0.0.1:" in text:
+      port = int(text.split("on http://127.0.0.1:")[1].split("/")[0])
+      return proc, f"http://127.0.0.1:{port}", log
+    if proc.poll() is not None:
+      raise AssertionError(f"the server exited: {text[-2000:]}")
+    time.sleep(0.2)
+  proc.kill()
+  raise AssertionError("the server did not start in 240 s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  proc, url, log = _start(
+      tmp_path_factory.mktemp("serve"), "--rows", "2", "--queue", "2", "--kv-memory", "24MiB"
+  )
+  yield url, proc
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def _client(url, key=KEYS[0]):
+  return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _chat(content, **extra):
+  return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def test_chat_streaming_completions_and_models_with_the_openai_client(server):
+  url, _ = server
+  client = _client(url)
+  assert [m.id for m in client.models.list()] == [MODEL]
+  reply = client.chat.completions.create(
+      model=MODEL,
+      messages=[{"role": "user", "content": "What is the capital of France?"}],
+      max_tokens=12,
+      temperature=0,
+  )
+  assert "Paris" in reply.choices[0].message.content
+  assert reply.choices[0].finish_reason == "stop" and reply.usage.prompt_tokens > 0
+  streamed = client.chat.completions.create(
+      model=MODEL,
+      messages=[{"role": "user", "content": "What is the capital of France?"}],
+      max_tokens=12,
+      temperature=0,
+      stream=True,
+      stream_options={"include_usage": True},
+  )
+  chunks = list(streamed)
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == reply.choices[0].message.content  # greedy: the same answer
+  assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+  done = client.completions.create(
+      model=MODEL, prompt="One, two, three,", max_tokens=5, temperature=0
+  )
+  assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+  # A request's own compression (kvzip keeping half of its prompt) in the extension field.
+  zipped = client.chat.completions.create(
+      model=MODEL,
+      messages=[{"role": "user", "content": "What is the capital of France?"}],
+      max_tokens=12,
+      temperature=0,
+      extra_body={"compression": {"policy": "kvzip", "budget": 0.5}},
+  )
+  assert zipped.choices[0].message.content
+
+
+BAD = [
+    (b"{not json", None),
+    (_chat("hi", max_tokens=0), "max_tokens"),
+    (_chat("hi", max_tokens=-5), "max_tokens"),
+    (_chat("hi", max_tokens=10**9), "max_tokens"),
+    (_chat("hi", max_tokens="ten"), "max_tokens"),
+    (_chat("hi", temperature=-1), "temperature"),
+    (_chat("hi", compression={"policy": "nope"}), "compression.policy"),
+    (_chat("hi", compression={"policy": "h2o", "budget": 10**9}), "compression.budget"),
+    (_chat("hi", compression={"budget": -3, "policy": "snapkv"}), "compression.budget"),
+    (_chat("x " * 5000, max_tokens=8), "prompt"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD)
+def test_bad_requests_get_a_400_naming_the_field_and_the_server_goes_on(server, body, param):
+  url, _ = server
+  headers = {"Authorization": f"Bearer {KEYS[0]}"}
+  if isinstance(body, bytes):
+    r = httpx.post(f"{url}/v1/chat/completions", content=body, headers=headers, timeout=60)
+  else:
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+  assert r.status_code == 400, r.text
+  error = r.json()["error"]
+  assert error["param"] == param and error["type"] == "invalid_request_error", error
+  assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_keys_unknown_models_and_a_full_queue(server):
+  url, _ = server
+  for headers in ({}, {"Authorization": "Bearer sk-wrong-000000000"}, {"Authorization": KEYS[0]}):
+    r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+  with pytest.raises(openai.NotFoundError):
+    _client(url).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+  # Two rows and a queue of two: a burst past four is answered 429 with Retry-After.
+  headers = {"Authorization": f"Bearer {KEYS[1]}"}
+  with httpx.Client(timeout=120) as http:
+    streams = [
+        http.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=headers,
+            json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "stream": True},
+        )
+        for _ in range(6)
+    ]
+    responses = [s.__enter__() for s in streams]
+    codes = [r.status_code for r in responses]
+    for s in streams:
+      s.__exit__(None, None, None)  # leave: each accepted stream is cancelled
+  assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+  limited = next(r for r in responses if r.status_code == 429)
+  assert limited.headers["retry-after"] == "1"
+
+
+def _idle(url, seconds=60):
+  """/metrics once no row is in use and no request waits (or after `seconds`)."""
+  deadline = time.monotonic() + seconds
+  while True:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    idle = "kvjax_rows_in_use 0" in metrics and "kvjax_queue_depth 0" in metrics
+    if idle or time.monotonic() > deadline:
+      return metrics
+    time.sleep(0.2)
+
+
+def test_disconnects_free_their_rows(server):
+  url, _ = server
+  headers = {"Authorization": f"Bearer {KEYS[0]}"}
+  _idle(url)  # what earlier tests left behind
+  for _ in range(3):
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        headers=headers,
+        timeout=120,
+        json={"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400, "stream": True},
+    ) as r:
+      lines = r.iter_lines()
+      assert next(lines).startswith("data: ")
+  metrics = _idle(url, 30)
+  assert "kvjax_rows_in_use 0" in metrics and "kvjax_kv_bytes_reserved 0" in metrics
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_request_in_flight(tmp_path):
+  proc, url, log = _start(tmp_path, "--rows", "1")
+  headers = {"Authorization": f"Bearer {KEYS[0]}"}
+  with httpx.stream(
+      "POST",
+      f"{url}/v1/completions",
+      headers=headers,
+      timeout=120,
+      json={"model": MODEL, "prompt": "One, two,", "max_tokens": 24, "stream": True},
+  ) as r:
+    lines = r.iter_lines()
+    next(lines)
+    proc.send_signal(signal.SIGTERM)
+    rest = [line for line in lines if line]
+  assert rest[-1] == "data: [DONE]"
+  assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+  assert proc.wait(60) == 0
