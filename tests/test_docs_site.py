@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
     "kvjax.persistence",
     "kvjax.seam",
     "kvjax.sharding",
+    "kvjax.serving",
     "kvjax.spec",
     "kvjax.testing",
     "kvjax.fingerprint",
