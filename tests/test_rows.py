@@ -8,7 +8,12 @@ import pytest
 import kvjax
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.rows import insert_row, release_rows
-from kvjax.testing import ByteTokenizer, assert_cache_invariants, tiny_gemma3, tiny_llama
+from kvjax.testing import (
+    ByteTokenizer,
+    assert_cache_invariants,
+    tiny_gemma3,
+    tiny_llama,
+)
 
 insert = jax.jit(insert_row)
 release = jax.jit(release_rows)

@@ -7,6 +7,12 @@ batching), so the pages compression frees become admitted requests.
              cancels; one thread owns every device call; no HTTP
 """
 
-from kvjax.serving._engine import Engine, EngineConfig, QueueFull, Request, RequestTooLarge
+from kvjax.serving._engine import (
+    Engine,
+    EngineConfig,
+    QueueFull,
+    Request,
+    RequestTooLarge,
+)
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "RequestTooLarge"]

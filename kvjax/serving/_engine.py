@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvjax.cache.pages import pages_for
 from kvjax.cache.paged_cache import check_status, to_host
+from kvjax.cache.pages import pages_for
 from kvjax.cache.sizing import window_peak
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.sampling import Sampling
@@ -87,7 +87,7 @@ class Request:
   spec: CompressionSpec
   max_tokens: int
   emit: Callable[[tuple], None]
-  sampling: Sampling = Sampling()
+  sampling: Sampling = dataclasses.field(default_factory=Sampling)
   seed: int = 0
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   # Set by the engine.
@@ -270,7 +270,7 @@ class Engine:
 
   # ---- the thread ----------------------------------------------------------------------
 
-  def start(self) -> "Engine":
+  def start(self) -> Engine:
     with self._lock:
       self._running = True
     self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)

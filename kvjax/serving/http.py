@@ -19,16 +19,14 @@ import hashlib
 import hmac
 import json
 import signal
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvjax.serving import _protocol as wire
-from kvjax.serving._engine import Engine, QueueFull
+from kvjax.serving._engine import Engine, QueueFull, RequestTooLarge
 from kvjax.serving._engine import Request as EngineRequest
-from kvjax.serving._engine import RequestTooLarge
 
 DEFAULT_MAX_TOKENS = 256  # a chat completion's limit when the request gives none
 
@@ -90,10 +88,161 @@ class _Text:
     return new
 
 
+class _Service:
+  """What the routes share: the engine, the model's name, the request counts."""
+
+  def __init__(self, engine: Engine, model_name: str):
+    self.engine, self.model_name = engine, model_name
+    self.requests: dict[tuple[str, int], int] = {}
+
+  def count(self, endpoint: str, status: int) -> None:
+    self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+  def metrics(self) -> str:
+    """The Prometheus text exposition of the server's counters and the engine's gauges."""
+    stats = self.engine.stats()
+    lines = [
+        "# HELP kvjax_requests_total HTTP requests answered, by endpoint and status.",
+        "# TYPE kvjax_requests_total counter",
+    ]
+    for (endpoint, status), n in sorted(self.requests.items()):
+      lines.append(f'kvjax_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+    page = stats["page_bytes"]
+    gauges = {
+        "kvjax_queue_depth": ("requests waiting for memory or a row", stats["queue"]),
+        "kvjax_rows_in_use": ("rows (slots) decoding a request", stats["rows_in_use"]),
+        "kvjax_rows": ("rows of the served batch", stats["rows"]),
+        "kvjax_kv_bytes_reserved": (
+            "K/V bytes the running requests' plans reserve",
+            stats["pages_reserved"] * page,
+        ),
+        "kvjax_kv_bytes_pool": ("K/V bytes of the page pool", stats["pages"] * page),
+        "kvjax_tokens_per_second": (
+            "tokens generated per second, last round",
+            stats["tokens_per_s"],
+        ),
+    }
+    for name, (text, value) in gauges.items():
+      lines += [f"# HELP {name} {text}.", f"# TYPE {name} gauge", f"{name} {value}"]
+    lines += [
+        "# HELP kvjax_generated_tokens_total tokens generated.",
+        "# TYPE kvjax_generated_tokens_total counter",
+        f"kvjax_generated_tokens_total {stats.get('generated_tokens', 0)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+  def submit(self, body: wire._Common, chat: bool):
+    """(the engine request, its events queue, the text decoder, prompt tokens) for `body`,
+    submitted; raises what `complete` turns into an error response."""
+    engine = self.engine
+    if body.context_id is not None:
+      raise wire.BadRequest("context caching is not served yet", "context_id")
+    prompt, prompt_tokens = _prompt(engine, body, chat)
+    spec = wire.request_spec(engine.spec, body.compression)
+    text = _Text(engine.tokenizer, body.stops())
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    job = EngineRequest(
+        prompt=prompt,
+        spec=spec,
+        max_tokens=body.limit(DEFAULT_MAX_TOKENS),
+        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        sampling=body.sampling(),
+        seed=body.seed or 0,
+    )
+    engine.submit(job)
+    return job, events, text, prompt_tokens
+
+  async def complete(self, request: Request, body: wire._Common, chat: bool):
+    endpoint = request.url.path
+    if body.model != self.model_name:
+      self.count(endpoint, 404)
+      return _error(
+          404,
+          f"the model {body.model!r} does not exist here; this server has {self.model_name!r}",
+          "invalid_request_error",
+          "model",
+          "model_not_found",
+      )
+    try:
+      job, events, text, prompt_tokens = self.submit(body, chat)
+    except QueueFull as err:
+      self.count(endpoint, 429)
+      return _error(
+          429,
+          str(err),
+          "rate_limit_error",
+          code="rate_limit_exceeded",
+          headers={"Retry-After": "1"},
+      )
+    except RequestTooLarge as err:
+      self.count(endpoint, 400)
+      return _error(400, str(err), "invalid_request_error", err.field)
+    except wire.BadRequest as err:
+      self.count(endpoint, err.status)
+      return _error(err.status, str(err), "invalid_request_error", err.param, err.code)
+    except (ValueError, TypeError) as err:
+      self.count(endpoint, 400)
+      return _error(400, str(err).splitlines()[0], "invalid_request_error", _param_of(err))
+    rid = wire.new_id("chatcmpl" if chat else "cmpl")
+    flow = _events(events, text, self.engine, job)
+    if body.stream:
+      return StreamingResponse(
+          _stream(flow, self, job, rid, chat, body, prompt_tokens, endpoint),
+          media_type="text/event-stream",
+          headers={"Cache-Control": "no-cache"},
+      )
+
+    async def collect():
+      parts, finish, generated = [], None, 0
+      async for new, finish, generated in flow:
+        parts.append(new)
+      return "".join(parts), finish, generated
+
+    work = asyncio.create_task(collect())
+    watcher = asyncio.create_task(_gone(request))
+    done, pending = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+      task.cancel()
+    if work not in done:  # the client left: free its row
+      self.engine.cancel(job.id)
+      self.count(endpoint, 499)
+      return PlainTextResponse("", 499)
+    try:
+      out, finish, generated = work.result()
+    except RuntimeError as err:
+      self.count(endpoint, 500)
+      return _error(500, str(err), "server_error")
+    self.count(endpoint, 200)
+    make = wire.chat_response if chat else wire.completion_response
+    return make(rid, self.model_name, out, finish, prompt_tokens, generated)
+
+
+async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job):
+  """(new text, finish, tokens so far) as the engine's events come: finish None until the
+  end; a stop string ends the request (cancelled in the engine); an error raises."""
+  generated = 0
+  while True:
+    kind, value = await events.get()
+    if kind == "tokens":
+      generated += len(value)
+      new = text.add(value)
+      if text.stopped:
+        engine.cancel(job.id)
+        yield new, "stop", generated
+        return
+      yield new, None, generated
+    elif kind == "done":
+      yield "", value, generated
+      return
+    else:
+      raise RuntimeError(value)
+
+
 def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = None) -> FastAPI:
   """The FastAPI app serving `engine` as `model_name`; `api_keys` None: no key asked (a local
   server), else each key is its own tenant."""
-  metrics = {"requests": {}, "started": time.time()}
+  service = _Service(engine, model_name)
 
   async def lifespan(app):
     yield
@@ -103,16 +252,12 @@ def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = Non
   app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
   app.add_middleware(_Auth, keys=api_keys)
 
-  def count(endpoint: str, status: int) -> None:
-    key = (endpoint, status)
-    metrics["requests"][key] = metrics["requests"].get(key, 0) + 1
-
   @app.exception_handler(RequestValidationError)
   async def invalid(request: Request, exc: RequestValidationError):
     first = exc.errors()[0]
     loc = [str(x) for x in first["loc"] if x != "body"]
     param = None if first["type"] == "json_invalid" or not loc else ".".join(loc)
-    count(request.url.path, 400)
+    service.count(request.url.path, 400)
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     return _error(400, message, "invalid_request_error", param)
 
@@ -127,144 +272,15 @@ def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = Non
 
   @app.get("/metrics")
   async def prometheus():
-    stats = engine.stats()
-    lines = [
-        "# HELP kvjax_requests_total HTTP requests answered, by endpoint and status.",
-        "# TYPE kvjax_requests_total counter",
-    ]
-    for (endpoint, status), n in sorted(metrics["requests"].items()):
-      lines.append(f'kvjax_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-    gauges = {
-        "kvjax_queue_depth": ("requests waiting for memory or a row", stats["queue"]),
-        "kvjax_rows_in_use": ("rows (slots) decoding a request", stats["rows_in_use"]),
-        "kvjax_rows": ("rows of the served batch", stats["rows"]),
-        "kvjax_kv_bytes_reserved": (
-            "K/V bytes the running requests' plans reserve",
-            stats["pages_reserved"] * stats["page_bytes"],
-        ),
-        "kvjax_kv_bytes_pool": ("K/V bytes of the page pool", stats["pages"] * stats["page_bytes"]),
-        "kvjax_tokens_per_second": (
-            "tokens generated per second, last round",
-            stats["tokens_per_s"],
-        ),
-    }
-    for name, (text, value) in gauges.items():
-      lines += [f"# HELP {name} {text}.", f"# TYPE {name} gauge", f"{name} {value}"]
-    lines += [
-        "# HELP kvjax_generated_tokens_total tokens generated.",
-        "# TYPE kvjax_generated_tokens_total counter",
-        f"kvjax_generated_tokens_total {stats.get('generated_tokens', 0)}",
-    ]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-  async def complete(request: Request, body: wire._Common, chat: bool):
-    endpoint = request.url.path
-    if body.model != model_name:
-      count(endpoint, 404)
-      return _error(
-          404,
-          f"the model {body.model!r} does not exist here; this server has {model_name!r}",
-          "invalid_request_error",
-          "model",
-          "model_not_found",
-      )
-    try:
-      if body.context_id is not None:
-        raise wire.BadRequest("context caching is not served yet", "context_id")
-      prompt, prompt_tokens = _prompt(engine, body, chat)
-      spec = wire.request_spec(engine.spec, body.compression)
-      stops = body.stops()
-      text = _Text(engine.tokenizer, stops)
-      events: asyncio.Queue = asyncio.Queue()
-      loop = asyncio.get_running_loop()
-      job = EngineRequest(
-          prompt=prompt,
-          spec=spec,
-          max_tokens=body.limit(DEFAULT_MAX_TOKENS),
-          emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-          sampling=body.sampling(),
-          seed=body.seed or 0,
-      )
-      engine.submit(job)
-    except QueueFull as err:
-      count(endpoint, 429)
-      return _error(
-          429,
-          str(err),
-          "rate_limit_error",
-          code="rate_limit_exceeded",
-          headers={"Retry-After": "1"},
-      )
-    except RequestTooLarge as err:
-      count(endpoint, 400)
-      return _error(400, str(err), "invalid_request_error", err.field)
-    except wire.BadRequest as err:
-      count(endpoint, err.status)
-      return _error(err.status, str(err), "invalid_request_error", err.param, err.code)
-    except (ValueError, TypeError) as err:
-      count(endpoint, 400)
-      return _error(400, str(err).splitlines()[0], "invalid_request_error", _param_of(err))
-    rid = wire.new_id("chatcmpl" if chat else "cmpl")
-
-    async def events_of():
-      """(text, finish) as the engine's events come: finish None until the end."""
-      generated = 0
-      while True:
-        kind, value = await events.get()
-        if kind == "tokens":
-          generated += len(value)
-          new = text.add(value)
-          if text.stopped:
-            engine.cancel(job.id)
-            yield new, "stop", generated
-            return
-          yield new, None, generated
-        elif kind == "done":
-          yield "", value, generated
-          return
-        else:
-          raise RuntimeError(value)
-
-    if body.stream:
-      return StreamingResponse(
-          _stream(
-              events_of(), engine, job, rid, model_name, chat, body, prompt_tokens, count, endpoint
-          ),
-          media_type="text/event-stream",
-          headers={"Cache-Control": "no-cache"},
-      )
-
-    async def collect():
-      parts, finish, generated = [], None, 0
-      async for new, finish, generated in events_of():
-        parts.append(new)
-      return "".join(parts), finish, generated
-
-    work = asyncio.create_task(collect())
-    watcher = asyncio.create_task(_gone(request))
-    done, pending = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-      task.cancel()
-    if work not in done:  # the client left: free its row
-      engine.cancel(job.id)
-      count(endpoint, 499)
-      return PlainTextResponse("", 499)
-    try:
-      out, finish, generated = work.result()
-    except RuntimeError as err:
-      count(endpoint, 500)
-      return _error(500, str(err), "server_error")
-    count(endpoint, 200)
-    make = wire.chat_response if chat else wire.completion_response
-    return make(rid, model_name, out, finish, prompt_tokens, generated)
+    return PlainTextResponse(service.metrics(), media_type="text/plain; version=0.0.4")
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: wire.ChatRequest, request: Request):
-    return await complete(request, body, chat=True)
+    return await service.complete(request, body, chat=True)
 
   @app.post("/v1/completions")
   async def completions(body: wire.CompletionRequest, request: Request):
-    return await complete(request, body, chat=False)
+    return await service.complete(request, body, chat=False)
 
   return app
 
@@ -310,14 +326,13 @@ async def _gone(request: Request) -> None:
     await asyncio.sleep(0.1)
 
 
-async def _stream(events, engine, job, rid, model, chat, body, prompt_tokens, count, endpoint):
+async def _stream(flow, service: _Service, job, rid, chat, body, prompt_tokens, endpoint):
   """The SSE body: chunks as the text comes, the finish, usage if asked, [DONE]. Left early
   (the client went away), the request is cancelled."""
-  finished = False
+  model, finished = service.model_name, False
   try:
-    first = True
-    generated = 0
-    async for new, finish, generated in events:
+    first, generated = True, 0
+    async for new, finish, generated in flow:
       if new or first:
         yield _sse(wire.chunk(rid, model, chat, new, None, first=first))
         first = False
@@ -329,17 +344,17 @@ async def _stream(events, engine, job, rid, model, chat, body, prompt_tokens, co
       end = wire.chunk(rid, model, chat, None, None)
       end["choices"], end["usage"] = [], wire.usage(prompt_tokens, generated)
       yield _sse(end)
-    count(endpoint, 200)
+    service.count(endpoint, 200)
     yield "data: [DONE]\n\n"
   except RuntimeError as err:  # the request failed alone (e.g. non-finite logits)
     finished = True
-    count(endpoint, 500)
+    service.count(endpoint, 500)
     yield _sse(wire.error_body(str(err), "server_error"))
     yield "data: [DONE]\n\n"
   finally:
     if not finished:
-      engine.cancel(job.id)
-      count(endpoint, 499)
+      service.engine.cancel(job.id)
+      service.count(endpoint, 499)
 
 
 def _sse(body: dict) -> str:

@@ -2,7 +2,6 @@
 of one pool, decoded together, released; a row's tokens and logits do not depend on its
 neighbours, and a released row leaves nothing behind."""
 
-import jax
 import numpy as np
 import pytest
 
@@ -85,14 +84,14 @@ def test_a_running_budget_per_row_bounds_that_row_only(model):
   results, batch, longest = _serve(model, spec, [(0, long, 40), (1, long, 40)], steps=8)
   assert len(results[0][0]) == 40 and results[0][0] == results[1][0]  # one request, two rows
   assert longest <= 16 + batch.state.cache.config.margin  # evicted as it went
-  state, alone = kvjax.decode(model, _prefill(model, long, spec), 40)
+  _, alone = kvjax.decode(model, _prefill(model, long, spec), 40)
   assert alone.tokens[0] == results[0][0]
 
 
 @pytest.mark.slow
 def test_many_requests_leave_no_row_or_page_held(model):
   spec = kvjax.CompressionSpec(page_size=8)
-  schedule = [(i % 3, "request %d " % i * (1 + i % 4), 1 + i % 5) for i in range(24)]
+  schedule = [(i % 3, f"request {i} " * (1 + i % 4), 1 + i % 5) for i in range(24)]
   results, batch, _ = _serve(model, spec, schedule)
   assert len(results) == 24 and all(len(tokens) >= 1 for tokens, _ in results.values())
   assert not np.asarray(batch.active).any()

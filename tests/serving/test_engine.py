@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.serving._engine import Engine, EngineConfig, QueueFull, Request, RequestTooLarge
+from kvjax.serving._engine import (
+    Engine,
+    EngineConfig,
+    QueueFull,
+    Request,
+    RequestTooLarge,
+)
 from kvjax.testing import ByteTokenizer, tiny_llama
 
 TOK = ByteTokenizer()

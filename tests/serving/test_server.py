@@ -19,7 +19,7 @@ KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
 def _start(tmp_path, *flags):
   keys = tmp_path / "keys.txt"
   keys.write_text("# two tenants\n" + "\n".join(KEYS) + "\n")
-  log = open(tmp_path / "server.log", "w+")
+  log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the process writes to it
   proc = subprocess.Popen(
       [sys.executable, "-m", "kvjax.cli", "serve", "--port", "0", "--api-keys", str(keys), *flags],
       stdout=log,
@@ -42,7 +42,7 @@ def _start(tmp_path, *flags):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  proc, url, log = _start(
+  proc, url, _ = _start(
       tmp_path_factory.mktemp("serve"), "--rows", "2", "--queue", "2", "--kv-memory", "24MiB"
   )
   yield url, proc
@@ -188,7 +188,7 @@ def test_disconnects_free_their_rows(server):
 
 @pytest.mark.slow
 def test_sigterm_drains_the_request_in_flight(tmp_path):
-  proc, url, log = _start(tmp_path, "--rows", "1")
+  proc, url, _ = _start(tmp_path, "--rows", "1")
   headers = {"Authorization": f"Bearer {KEYS[0]}"}
   with httpx.stream(
       "POST",
