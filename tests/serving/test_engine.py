@@ -87,6 +87,10 @@ def test_a_request_that_could_never_fit_is_refused_naming_the_limit(model):
   request, _ = _request("a long prompt " * 10, spec, 8)
   with pytest.raises(RequestTooLarge, match="the pool holds 4") as err:
     engine.submit(request)
+  assert err.value.field == "prompt"  # the prompt alone passes the pool
+  request, _ = _request("hi", spec, 100)
+  with pytest.raises(RequestTooLarge, match="the pool holds 4") as err:
+    engine.submit(request)
   assert err.value.field == "max_tokens"
   request, _ = _request("hi", spec, 300)
   with pytest.raises(RequestTooLarge, match="256 tokens a row holds"):
