@@ -25,14 +25,14 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str) -> int:
   """'64MiB' -> 67108864; a number with a unit (B, KB, MB, GB, KiB, MiB, GiB) or bytes."""
   match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
   if match is None or match.group(2).lower() not in _UNITS:
-    raise ValueError(f"--kv-memory must be bytes with a unit, e.g. 64MiB or 2GB; got {text!r}")
+    raise ValueError(f"{flag} must be bytes with a unit, e.g. 64MiB or 2GB; got {text!r}")
   value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
   if value < 1:
-    raise ValueError(f"--kv-memory must be at least one byte, got {text!r}")
+    raise ValueError(f"{flag} must be at least one byte, got {text!r}")
   return value
 
 
@@ -84,16 +84,32 @@ def add_parsers(subparsers) -> None:
   serve.add_argument(
       "--api-keys", default=None, help="a file of API keys, one per line, each its own tenant"
   )
+  serve.add_argument(
+      "--contexts",
+      default=None,
+      help="directory of compressed contexts (POST /v1/contexts), one private folder per "
+      "tenant (default: contexts/ in kvjax's cache directory)",
+  )
+  serve.add_argument(
+      "--context-ttl", type=float, default=3600.0, help="seconds a context lives (default: 3600)"
+  )
+  serve.add_argument(
+      "--context-quota", default="256MiB", help="bytes of contexts per tenant (default: 256MiB)"
+  )
   add_dataclass_flags(serve, kvjax.CompressionSpec, title="compression (the server's default spec)")
   serve.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
   from kvjax.serving import Engine, EngineConfig
+  from kvjax.serving._contexts import ContextStore
   from kvjax.serving.http import make_app, serve
 
   spec = spec_from_args(args)
-  kv_memory = parse_bytes(args.kv_memory)
+  kv_memory = parse_bytes(args.kv_memory, "--kv-memory")
+  quota = parse_bytes(args.context_quota, "--context-quota")
+  if not args.context_ttl > 0:
+    raise ValueError(f"--context-ttl must be > 0 seconds, got {args.context_ttl}")
   if not 0 <= args.port <= 65535:
     raise ValueError(f"--port must be in [0, 65535], got {args.port}")
   keys = read_api_keys(args.api_keys) if args.api_keys is not None else None
@@ -103,10 +119,18 @@ def _serve(args) -> int:
   model, tokenizer = common.load_model(args.model)
   check_spec_model(args, model, spec)
   engine = Engine(model, tokenizer, spec, config)
+  contexts = None
+  directory = args.contexts
+  if directory is None:
+    from kvjax_store.cache_dir import private_dir
+
+    directory = private_dir("contexts")
+  if directory is not None:
+    contexts = ContextStore(directory, model, tokenizer, ttl=args.context_ttl, quota=quota)
   name = os.path.basename(os.fspath(args.model)).removesuffix(".gguf")
   common.begin_work(args)
   engine.start()
-  app = make_app(engine, model_name=name, api_keys=keys)
+  app = make_app(engine, model_name=name, api_keys=keys, contexts=contexts)
 
   def ready(port):
     print(f"kvjax serve: {name} on http://{args.host}:{port}/v1", file=sys.stderr, flush=True)

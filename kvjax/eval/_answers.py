@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvjax.runtime.prompts import Segment
+from kvjax.runtime.prompts import Segment, chat_parts
 from kvjax.runtime.session import decode, extend, prefill
 from kvjax.spec import CompressionSpec
 
@@ -45,16 +45,6 @@ def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
     if progress is not None:
       progress()
   return results, errors
-
-
-def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
-  """Token ids of the chat template before and after the user's message; none where `chat`
-  is off or the model has no template (a base model reads the request as plain text)."""
-  if not chat or getattr(tokenizer, "chat_template", None) is None:
-    return [], []
-  marker = "\x00kvjax\x00"
-  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
-  return tokenizer.encode(before), tokenizer.encode(after)
 
 
 # A question to a model read as plain text (a base model, no chat template) is framed as

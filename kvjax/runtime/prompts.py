@@ -170,3 +170,13 @@ def encode_prompts(
       raise ValueError(f"prompts[{i}] is empty")
     ids.append(row_ids), protected.append(row_protected), segment.append(row_segment)
   return EncodedPrompts(ids, protected, segment)
+
+
+def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
+  """Token ids of the chat template before and after the user's message; none where `chat`
+  is off or the model has no template (a base model reads the request as plain text)."""
+  if not chat or getattr(tokenizer, "chat_template", None) is None:
+    return [], []
+  marker = "\x00kvjax\x00"
+  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
+  return tokenizer.encode(before), tokenizer.encode(after)

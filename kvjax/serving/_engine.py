@@ -19,6 +19,7 @@ layer hands them over to its event loop).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import threading
@@ -32,7 +33,7 @@ from kvjax.cache.pages import pages_for
 from kvjax.cache.sizing import window_peak
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.sampling import Sampling
-from kvjax.runtime.session import prefill
+from kvjax.runtime.session import extend, prefill
 from kvjax.seam import ModelShape
 from kvjax.serving import _batch
 from kvjax.spec import CompressionSpec
@@ -89,6 +90,9 @@ class Request:
   emit: Callable[[tuple], None]
   sampling: Sampling = dataclasses.field(default_factory=Sampling)
   seed: int = 0
+  # A compressed context (a one-row `State`, e.g. from `ContextStore.load`) the prompt
+  # continues: the prompt is appended to it (`kvjax.extend`), with its own compression.
+  context: object = None
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   # Set by the engine.
   prompt_tokens: int = 0
@@ -138,6 +142,7 @@ class Engine:
     self._cancelled: set[int] = set()
     self._rows: dict[int, Request] = {}  # row -> request
     self._reserved = 0
+    self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
     self._running = False
     self._thread: threading.Thread | None = None
     self.counters = collections.Counter()
@@ -174,6 +179,9 @@ class Engine:
     """Pages a request needs at most, before its prompt is read: its prompt kept whole, or
     its budget where it compresses the context once (each sequence at most a page over)."""
     spec, n, new = request.spec, request.prompt_tokens, request.max_tokens
+    if request.context is not None:  # the context as kept, and the prompt after it
+      kept = to_host(request.context.cache.length)[:, 0]
+      return self.pages_needed(kept + n, new, NEVER)
     whole = self.pages_needed(n, new, self.row_budget(spec, n))
     if not spec.once or spec.auto:
       return whole
@@ -214,16 +222,23 @@ class Engine:
           "page_size",
       )
     encoded = encode_prompts(
-        self.tokenizer, [request.prompt], chat=False, vocab_size=self.shape.vocab_size
+        self.tokenizer,
+        [request.prompt],
+        chat=False,
+        vocab_size=self.shape.vocab_size,
+        start=request.context is None,
     )
     request.prompt_tokens = n = int(encoded.lengths[0])
+    if request.context is not None:
+      n += int(to_host(request.context.position)[0])  # the row holds the context too
     if n + request.max_tokens > self.max_tokens:
       raise RequestTooLarge(
           f"a prompt of {n} tokens and max_tokens={request.max_tokens} pass the "
           f"{self.max_tokens} tokens a row holds",
           "max_tokens" if n < self.max_tokens else "prompt",
       )
-    spec.plan(self.shape, batch=1, longest=n, reserve=0)  # the spec's own checks
+    if request.context is None:
+      spec.plan(self.shape, batch=1, longest=n, reserve=0)  # the spec's own checks
     need = self._bound(request)
     if need > self.capacity:
       # The prompt alone, or only with its new tokens, passes the pool.
@@ -247,6 +262,17 @@ class Engine:
       self.counters["submitted"] += 1
       self._lock.notify()
     return request
+
+  def call(self, fn) -> concurrent.futures.Future:
+    """Runs `fn()` on the engine's thread between two rounds (device work that is not a
+    request, e.g. compressing a context to store); its result or error in the future."""
+    future = concurrent.futures.Future()
+    with self._lock:
+      if not self._running:
+        raise RuntimeError("the engine is not running")
+      self._calls.append((fn, future))
+      self._lock.notify()
+    return future
 
   def cancel(self, request_id: int) -> None:
     """Stops a request wherever it is (queued or decoding); its row is freed in the next
@@ -293,12 +319,25 @@ class Engine:
   def _loop(self) -> None:
     while True:
       with self._lock:
-        while self._running and not self._queue and not self._rows and not self._cancelled:
+        while (
+            self._running
+            and not self._queue
+            and not self._rows
+            and not self._cancelled
+            and not self._calls
+        ):
           self._lock.wait()
-        if not self._running and not self._queue and not self._rows:
+        if not self._running and not self._queue and not self._rows and not self._calls:
           return
         cancelled, self._cancelled = self._cancelled, set()
         self._queue = collections.deque(r for r in self._queue if r.id not in cancelled)
+        calls, self._calls = self._calls, collections.deque()
+      for fn, future in calls:
+        if future.set_running_or_notify_cancel():
+          try:
+            future.set_result(fn())
+          except Exception as err:  # noqa: BLE001 - the caller's error, in its future
+            future.set_exception(err)
       self._release([row for row, r in self._rows.items() if r.id in cancelled], "cancelled")
       self._admit()
       if self._rows:
@@ -322,15 +361,22 @@ class Engine:
 
   def _start(self, request: Request, row: int) -> None:
     try:
-      state = prefill(
-          self.model,
-          [request.prompt],
-          request.spec,
-          tokenizer=self.tokenizer,
-          reserve=0,
-          seed=request.seed,
+      if request.context is not None:
+        state = extend(self.model, request.context, [request.prompt], tokenizer=self.tokenizer)
+      else:
+        state = prefill(
+            self.model,
+            [request.prompt],
+            request.spec,
+            tokenizer=self.tokenizer,
+            reserve=0,
+            seed=request.seed,
+        )
+      budget = (
+          NEVER
+          if request.context is not None
+          else self.row_budget(request.spec, request.prompt_tokens)
       )
-      budget = self.row_budget(request.spec, request.prompt_tokens)
       kept = to_host(state.cache.length)[:, 0]  # [L, H]
       need = self.pages_needed(kept, request.max_tokens, budget)
       self.batch = _batch.insert(

@@ -85,6 +85,13 @@ class CompletionRequest(_Common):
   max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+class ContextRequest(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  text: str = Field(min_length=1)
+  policy: str = "kvzip"
+  budget: int | float = 0.25
+
+
 def request_spec(base: CompressionSpec, compression: Compression | None) -> CompressionSpec:
   """The server's spec with the request's policy and budget; BadRequest naming the one
   that is wrong."""

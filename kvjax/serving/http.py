@@ -15,6 +15,7 @@ its request cancelled: its row is freed in the engine's next round.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -23,8 +24,12 @@ import signal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvjax.runtime.prompts import Segment, chat_parts
+from kvjax.runtime.session import prefill
 from kvjax.serving import _protocol as wire
+from kvjax.serving._contexts import ContextStore, QuotaExceeded
 from kvjax.serving._engine import Engine, QueueFull, RequestTooLarge
 from kvjax.serving._engine import Request as EngineRequest
 
@@ -89,10 +94,10 @@ class _Text:
 
 
 class _Service:
-  """What the routes share: the engine, the model's name, the request counts."""
+  """What the routes share: the engine, the model's name, the contexts, the request counts."""
 
-  def __init__(self, engine: Engine, model_name: str):
-    self.engine, self.model_name = engine, model_name
+  def __init__(self, engine: Engine, model_name: str, contexts: ContextStore | None):
+    self.engine, self.model_name, self.contexts = engine, model_name, contexts
     self.requests: dict[tuple[str, int], int] = {}
 
   def count(self, endpoint: str, status: int) -> None:
@@ -131,14 +136,19 @@ class _Service:
     ]
     return "\n".join(lines) + "\n"
 
-  def submit(self, body: wire._Common, chat: bool):
+  def submit(self, body: wire._Common, chat: bool, context=None):
     """(the engine request, its events queue, the text decoder, prompt tokens) for `body`,
-    submitted; raises what `complete` turns into an error response."""
+    submitted (after `context`, a loaded compressed context, when given); raises what
+    `complete` turns into an error response."""
     engine = self.engine
-    if body.context_id is not None:
-      raise wire.BadRequest("context caching is not served yet", "context_id")
-    prompt, prompt_tokens = _prompt(engine, body, chat)
-    spec = wire.request_spec(engine.spec, body.compression)
+    if context is not None:
+      if body.compression is not None:
+        raise wire.BadRequest("a context keeps the compression it was made with", "compression")
+      prompt, prompt_tokens = _question(engine, body, chat)
+      spec = context.plan.spec
+    else:
+      prompt, prompt_tokens = _prompt(engine, body, chat)
+      spec = wire.request_spec(engine.spec, body.compression)
     text = _Text(engine.tokenizer, body.stops())
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -149,6 +159,7 @@ class _Service:
         emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         sampling=body.sampling(),
         seed=body.seed or 0,
+        context=context,
     )
     engine.submit(job)
     return job, events, text, prompt_tokens
@@ -164,8 +175,14 @@ class _Service:
           "model",
           "model_not_found",
       )
+    context = None
+    if body.context_id is not None:
+      context = await self.load_context(request, body.context_id)
+      if context is None:
+        self.count(endpoint, 404)
+        return _context_not_found()
     try:
-      job, events, text, prompt_tokens = self.submit(body, chat)
+      job, events, text, prompt_tokens = self.submit(body, chat, context)
     except QueueFull as err:
       self.count(endpoint, 429)
       return _error(
@@ -217,6 +234,68 @@ class _Service:
     make = wire.chat_response if chat else wire.completion_response
     return make(rid, self.model_name, out, finish, prompt_tokens, generated)
 
+  async def load_context(self, request: Request, cid: str):
+    """The tenant's context `cid` (None: unknown, another tenant's, expired or invalid)."""
+    if self.contexts is None:
+      return None
+    return await asyncio.to_thread(self.contexts.load, request.state.tenant, cid)
+
+  async def create_context(self, request: Request, body: wire.ContextRequest):
+    endpoint = "/v1/contexts"
+    if self.contexts is None:
+      self.count(endpoint, 404)
+      return _error(404, "this server keeps no contexts", "invalid_request_error")
+    try:
+      spec = wire.request_spec(
+          self.engine.spec, wire.Compression(policy=body.policy, budget=body.budget)
+      )
+      if not spec.once:
+        raise wire.BadRequest(
+            f"policy {spec.policy.name!r} does not compress a context once (kvzip, "
+            "expected_attention, learned do)",
+            "policy",
+        )
+      prompt, tokens = _document(self.engine, body.text)
+      self.engine.check(
+          EngineRequest(prompt=prompt, spec=spec, max_tokens=1, emit=lambda event: None)
+      )
+    except RequestTooLarge as err:
+      self.count(endpoint, 400)
+      return _error(400, str(err), "invalid_request_error", "text")
+    except wire.BadRequest as err:
+      self.count(endpoint, err.status)
+      return _error(err.status, str(err), "invalid_request_error", err.param, err.code)
+    except (ValueError, TypeError) as err:
+      self.count(endpoint, 400)
+      return _error(400, str(err).splitlines()[0], "invalid_request_error", "text")
+    tenant, engine = request.state.tenant, self.engine
+
+    def compress_and_store():
+      state = prefill(engine.model, [prompt], spec, tokenizer=engine.tokenizer, reserve=0)
+      return self.contexts.save(tenant, state, tokens)
+
+    try:
+      made = await asyncio.wrap_future(engine.call(compress_and_store))
+    except QuotaExceeded as err:
+      self.count(endpoint, 429)
+      return _error(429, str(err), "insufficient_quota", code="insufficient_quota")
+    self.count(endpoint, 200)
+    return {"object": "context", **dataclasses.asdict(made)}
+
+  async def delete_context(self, request: Request, cid: str):
+    deleted = self.contexts is not None and await asyncio.to_thread(
+        self.contexts.delete, request.state.tenant, cid
+    )
+    self.count("/v1/contexts", 200 if deleted else 404)
+    if not deleted:
+      return _context_not_found()
+    return {"id": cid, "object": "context", "deleted": True}
+
+
+def _context_not_found():
+  # One answer for an unknown id and another tenant's: nothing tells them apart.
+  return _error(404, "no such context", "invalid_request_error", "context_id", "context_not_found")
+
 
 async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job):
   """(new text, finish, tokens so far) as the engine's events come: finish None until the
@@ -239,10 +318,17 @@ async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job):
       raise RuntimeError(value)
 
 
-def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = None) -> FastAPI:
+def make_app(
+    engine: Engine,
+    *,
+    model_name: str,
+    api_keys: set[str] | None = None,
+    contexts: ContextStore | None = None,
+) -> FastAPI:
   """The FastAPI app serving `engine` as `model_name`; `api_keys` None: no key asked (a local
-  server), else each key is its own tenant."""
-  service = _Service(engine, model_name)
+  server), else each key is its own tenant; `contexts`: where compressed contexts are kept
+  (None: no /v1/contexts)."""
+  service = _Service(engine, model_name, contexts)
 
   async def lifespan(app):
     yield
@@ -260,6 +346,11 @@ def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = Non
     service.count(request.url.path, 400)
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     return _error(400, message, "invalid_request_error", param)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request: Request, exc: StarletteHTTPException):
+    service.count(request.url.path if exc.status_code != 404 else "other", exc.status_code)
+    return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
   @app.get("/health")
   async def health():
@@ -282,6 +373,14 @@ def make_app(engine: Engine, *, model_name: str, api_keys: set[str] | None = Non
   async def completions(body: wire.CompletionRequest, request: Request):
     return await service.complete(request, body, chat=False)
 
+  @app.post("/v1/contexts")
+  async def create_context(body: wire.ContextRequest, request: Request):
+    return await service.create_context(request, body)
+
+  @app.delete("/v1/contexts/{cid}")
+  async def delete_context(cid: str, request: Request):
+    return await service.delete_context(request, cid)
+
   return app
 
 
@@ -292,6 +391,37 @@ def _param_of(err: Exception) -> str | None:
     if field in message:
       return f"compression.{field}" if field in ("budget", "policy", "page_size") else field
   return None
+
+
+def _document(engine: Engine, text: str):
+  """(the prompt a context is read as, its tokens): the chat template's opening of a user
+  message (protected) where the model has one, else `<bos>` where it starts with one, then
+  the document; a question closes the message later (`_question`)."""
+  tokenizer = engine.tokenizer
+  opening, _ = chat_parts(tokenizer, True)
+  if not opening and getattr(tokenizer, "add_bos", False):
+    opening = [tokenizer.bos_id]
+  ids = tokenizer.encode(text)
+  if not ids:
+    raise wire.BadRequest("the text is empty", "text")
+  return [Segment(opening, protected=True), Segment(ids)], len(opening) + len(ids)
+
+
+def _question(engine: Engine, body, chat: bool):
+  """(ids, count) of what follows a context: a chat's one user message, closing the user
+  turn the context opened, or a completion's prompt as it is."""
+  tokenizer = engine.tokenizer
+  if chat:
+    if len(body.messages) != 1 or body.messages[0].role != "user":
+      raise wire.BadRequest("a chat over a context takes one user message", "messages")
+    ids = tokenizer.encode("\n\n" + body.messages[0].content) + chat_parts(tokenizer, True)[1]
+  elif isinstance(body.prompt, str):
+    ids = tokenizer.encode(body.prompt)
+  else:
+    ids = list(body.prompt)
+  if not ids:
+    raise wire.BadRequest("the question is empty", "messages" if chat else "prompt")
+  return ids, len(ids)
 
 
 def _prompt(engine: Engine, body, chat: bool):

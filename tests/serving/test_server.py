@@ -42,8 +42,19 @@ def _start(tmp_path, *flags):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+  root = tmp_path_factory.mktemp("serve")
   proc, url, _ = _start(
-      tmp_path_factory.mktemp("serve"), "--rows", "2", "--queue", "2", "--kv-memory", "24MiB"
+      root,
+      "--rows",
+      "2",
+      "--queue",
+      "2",
+      "--kv-memory",
+      "24MiB",
+      "--contexts",
+      str(root / "contexts"),
+      "--context-quota",
+      "8MiB",
   )
   yield url, proc
   if proc.poll() is None:
@@ -204,3 +215,77 @@ def test_sigterm_drains_the_request_in_flight(tmp_path):
   assert rest[-1] == "data: [DONE]"
   assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
   assert proc.wait(60) == 0
+
+
+DOCUMENT = (
+    "Notes from the harbour office. The ferry to the island leaves at seven. The code of the "
+    "blue locker is 4812. Fishing boats return before noon, and the market opens at ten. "
+) * 6
+
+
+def test_a_context_compressed_once_answers_its_tenant_only(server):
+  url, _ = server
+  alice, bob = ({"Authorization": f"Bearer {key}"} for key in KEYS)
+  made = httpx.post(
+      f"{url}/v1/contexts",
+      headers=alice,
+      timeout=120,
+      json={"text": DOCUMENT, "policy": "kvzip", "budget": 0.5},
+  )
+  assert made.status_code == 200, made.text
+  context = made.json()
+  assert context["id"].startswith("ctx-") and 0 < context["kept_tokens"]
+  question = "What is the code of the blue locker? Answer with the number only."
+  reply = _client(url).chat.completions.create(
+      model=MODEL,
+      messages=[{"role": "user", "content": question}],
+      max_tokens=16,
+      temperature=0,
+      extra_body={"context_id": context["id"]},
+  )
+  assert "4812" in reply.choices[0].message.content
+  # Another tenant's id is answered exactly as an unknown one.
+  for headers, cid in ((bob, context["id"]), (alice, "ctx-" + "0" * 32), (alice, "ctx-not-hex")):
+    body = _chat(question, max_tokens=4, context_id=cid)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "context_not_found", r.text
+    gone = httpx.delete(f"{url}/v1/contexts/{cid}", headers=headers, timeout=60)
+    assert gone.status_code == 404 and gone.json() == r.json()
+  assert httpx.delete(f"{url}/v1/contexts/{context['id']}", headers=alice).status_code == 200
+  r = httpx.post(
+      f"{url}/v1/chat/completions",
+      headers=alice,
+      timeout=60,
+      json=_chat(question, max_tokens=4, context_id=context["id"]),
+  )
+  assert r.status_code == 404
+
+
+def test_a_tenants_context_quota_holds(server):
+  url, _ = server
+  bob = {"Authorization": f"Bearer {KEYS[1]}"}
+  made, codes = [], []
+  for _ in range(4):  # bounded: 8 MiB holds one of these (6 MiB on disk)
+    r = httpx.post(
+        f"{url}/v1/contexts",
+        headers=bob,
+        timeout=120,
+        json={"text": DOCUMENT, "policy": "kvzip", "budget": 0.5},
+    )
+    codes.append(r.status_code)
+    if r.status_code != 200:
+      break
+    made.append(r.json()["id"])
+  assert codes[-1] == 429 and r.json()["error"]["code"] == "insufficient_quota", codes
+  assert made
+  for cid in made:
+    assert httpx.delete(f"{url}/v1/contexts/{cid}", headers=bob).status_code == 200
+  r = httpx.post(
+      f"{url}/v1/contexts",
+      headers=bob,
+      timeout=120,
+      json={"text": DOCUMENT, "policy": "h2o", "budget": 64},
+  )
+  assert r.status_code == 400 and r.json()["error"]["param"] == "policy"
+  r = httpx.get(f"{url}/v1/no-such-endpoint", headers=bob)
+  assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
