@@ -137,3 +137,59 @@ def test_a_running_budget_admits_more_requests_into_the_same_memory(model):
       assert c.end == ("done", "length") and len(c.tokens) == 60
     engine.stop()
   assert most["h2o"] >= 3 * most["full"], most
+
+
+def test_two_hundred_requests_leave_no_row_or_page_held(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=4, queue=256)
+  requests = [_request(f"short request {i % 7}", spec, 1 + i % 3) for i in range(200)]
+  for request, _ in requests:
+    engine.submit(request)
+  for _, c in requests:  # bounded: each waits at most a minute
+    assert c.finished.wait(60) and c.end == ("done", "length")
+  engine.stop()
+  stats = engine.stats()
+  assert stats["finished"] == 200 and stats["rows_in_use"] == 0 and stats["pages_reserved"] == 0
+  cache = engine.batch.state.cache
+  assert int(np.asarray(cache.length).sum()) == 0
+  assert int(cache.pages.num_free) == cache.num_pages - 1
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone():
+  model = tiny_llama(max_context=256, qk_scale=20)
+  poisoned = TOK.encode("~")[0]
+  model.embed[...] = model.embed[...].at[poisoned].set(float("nan"))
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+  bad, c_bad = _request("a prompt with a ~ in it", spec, 4)
+  good, c_good = _request("a clean prompt", spec, 4)
+  engine.submit(bad)
+  engine.submit(good)
+  assert c_bad.finished.wait(60) and c_bad.end[0] == "error" and "non-finite" in c_bad.end[1]
+  assert c_good.finished.wait(60) and c_good.end == ("done", "length")
+  assert c_good.tokens == _alone(model, "a clean prompt", spec, 4)
+  engine.stop()
+  assert engine.stats()["rows_in_use"] == 0 and engine.stats()["pages_reserved"] == 0
+
+
+def test_a_row_whose_logits_turn_non_finite_while_decoding_fails_alone():
+  model = tiny_llama(max_context=256, qk_scale=20)
+  spec = kvjax.CompressionSpec(page_size=8)
+  first = _alone(model, "the first prompt", spec, 1)[0]  # fed back at A's second step
+  model.embed[...] = model.embed[...].at[first].set(float("nan"))
+  other = "zz top zz top"
+  expected = _alone(model, other, spec, 6)
+  assert first not in TOK.encode(other) + expected
+  engine = _engine(model, spec, pages=80, rows=2)
+  bad, c_bad = _request("the first prompt", spec, 6)
+  good, c_good = _request(other, spec, 6)
+  engine.submit(bad)
+  engine.submit(good)
+  assert c_bad.finished.wait(60) and c_bad.end == (
+      "error",
+      "NumericsError: the model gave non-finite logits",
+  )
+  assert c_bad.tokens == [first]  # the token stands; nothing was drawn from the NaN logits
+  assert c_good.finished.wait(60) and c_good.tokens == expected
+  engine.stop()
+  assert engine.stats()["failed"] == 1 and engine.stats()["pages_reserved"] == 0
