@@ -48,6 +48,7 @@ class Batch:
   top_k: Int[Array, " S"]
   top_p: Float[Array, " S"]
   failed: Bool[Array, " S"]
+  stops: Bool[Array, " S"]  # the row ends at a stop token (off: it runs to its limit)
 
   @property
   def rows(self) -> int:
@@ -91,13 +92,17 @@ def empty_batch(model, plan: CachePlan, rows: int, num_pages: int, max_tokens: i
       top_k=put(np.zeros((rows,), np.int32)),
       top_p=put(np.ones((rows,), np.float32)),
       failed=put(np.zeros((rows,), bool)),
+      stops=put(np.ones((rows,), bool)),
   )
 
 
-def insert(batch: Batch, request: State, row: int, *, max_tokens: int, budget: int, sampling):
+def insert(
+    batch: Batch, request: State, row: int, *, max_tokens: int, budget: int, sampling, stops=True
+):
   """`batch` with `request` (a prefilled state of one row) in free row `row`, to generate up
   to `max_tokens` tokens with its running `budget` (`NEVER`: keep all) and `sampling` (a
-  `kvjax.Sampling`). Host-side checks, then one compiled program per request cache shape."""
+  `kvjax.Sampling`), ending at a stop token unless not `stops`. Host-side checks, then one
+  compiled program per request cache shape."""
   check_insertable(batch.state.cache, request.cache)
   if request.batch_size != 1:
     raise ValueError(f"a request state has one row; this one has {request.batch_size}")
@@ -108,6 +113,7 @@ def insert(batch: Batch, request: State, row: int, *, max_tokens: int, budget: i
       np.float32(sampling.temperature),
       np.int32(sampling.top_k),
       np.float32(sampling.top_p),
+      np.bool_(stops),
   )
   source = _as_source(request.cache, batch.state.cache)
   return _insert(batch, source, request.logits, request.position, *map(jax.device_put, values))
@@ -133,7 +139,17 @@ def _as_source(cache: PagedKVCache, batch: PagedKVCache) -> PagedKVCache:
 
 @functools.partial(jax.jit, donate_argnames="batch")
 def _insert(
-    batch: Batch, source, logits, position, row, max_tokens, budget, temperature, top_k, top_p
+    batch: Batch,
+    source,
+    logits,
+    position,
+    row,
+    max_tokens,
+    budget,
+    temperature,
+    top_k,
+    top_p,
+    stops,
 ):
   s = batch.state
   cache = insert_row(s.cache, row, source)
@@ -153,6 +169,7 @@ def _insert(
       top_k=batch.top_k.at[row].set(top_k),
       top_p=batch.top_p.at[row].set(top_p),
       failed=batch.failed.at[row].set(False),
+      stops=batch.stops.at[row].set(stops),
   )
 
 
@@ -202,7 +219,7 @@ def run(params, batch: Batch, stop_tokens, *, graphdef, steps: int) -> tuple[Bat
     key, sub, evict_key = jax.random.split(s.key, 3)
     token = sample_rows(s.logits, sub, b.temperature, b.top_k, b.top_p)
     going = live(b)
-    stop = going & jnp.isin(token, stop_tokens)
+    stop = going & b.stops & jnp.isin(token, stop_tokens)
     emit = going & ~stop
     tokens = out.tokens.at[rows, out.count].set(jnp.where(emit, token, 0), mode="drop")
     logits, cache, held = feed(model, s, token, emit, eviction, evict_key, b.budget)

@@ -93,6 +93,8 @@ class Request:
   # A compressed context (a one-row `State`, e.g. from `ContextStore.load`) the prompt
   # continues: the prompt is appended to it (`kvjax.extend`), with its own compression.
   context: object = None
+  # False: the request runs to `max_tokens` whatever it generates (benchmarks).
+  stops: bool = True
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   # Set by the engine.
   prompt_tokens: int = 0
@@ -386,6 +388,7 @@ class Engine:
           max_tokens=request.max_tokens,
           budget=budget,
           sampling=request.sampling,
+          stops=request.stops,
       )
       check_status(self.batch.state.cache)
     except Exception as err:  # noqa: BLE001 - one request fails alone

@@ -57,6 +57,7 @@ class _Common(BaseModel):
   stream_options: StreamOptions | None = None
   compression: Compression | None = None
   context_id: str | None = None
+  ignore_eos: bool = False  # vLLM's extension: run to max_tokens (load tests)
 
   def limit(self, default: int) -> int:
     return self.max_completion_tokens or self.max_tokens or default

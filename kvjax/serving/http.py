@@ -160,6 +160,7 @@ class _Service:
         sampling=body.sampling(),
         seed=body.seed or 0,
         context=context,
+        stops=not body.ignore_eos,
     )
     engine.submit(job)
     return job, events, text, prompt_tokens
