@@ -254,12 +254,15 @@ def init_cache(
     chunk: int = 1,
     slots: tuple[Slot, ...] = (),
     extra: dict[str, Array] | None = None,
+    shared_pool: bool = False,
 ) -> PagedKVCache:
   """An empty cache whose pool fits every sequence appending `chunk` tokens at a time.
 
   `slots` declares per-slot arrays beyond the cache's own (`CACHE_SLOTS`), e.g. a policy's
   score history; `extra` holds a policy's initial state that is not per token
-  (`Policy.init_extra`)."""
+  (`Policy.init_extra`). `shared_pool`: the rows take turns in the pool (a served batch,
+  `kvjax.serving`, admits a request only when its pages are free), so the pool need not
+  hold every sequence's budget at once."""
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
   for name, value in [
@@ -281,7 +284,7 @@ def init_cache(
     )
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
-  if config.evicts:
+  if config.evicts and not shared_pool:
     # A sliding layer is never evicted: it needs its window's pages, not the budget's.
     per_layer = num_sequences // num_layers
     needed = sum(

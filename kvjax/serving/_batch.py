@@ -71,7 +71,14 @@ def empty_batch(model, plan: CachePlan, rows: int, num_pages: int, max_tokens: i
         shape.n_layers, rows, shape.n_kv_heads, query_heads(model), shape.head_dim
     )
   cache = init_cache(
-      config, shape.n_layers, rows, shape.n_kv_heads, shape.head_dim, slots=slots, extra=extra
+      config,
+      shape.n_layers,
+      rows,
+      shape.n_kv_heads,
+      shape.head_dim,
+      slots=slots,
+      extra=extra,
+      shared_pool=True,
   )
   put = jax.device_put
   state = State(
