@@ -340,7 +340,6 @@ def main(argv=None) -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("serve-load"))
   args = parser.parse_args(argv)
-  from kvjax.cli.serve import parse_bytes
   from models import load_decoder
 
   _, tokenizer = load_decoder(MODEL)
@@ -393,6 +392,15 @@ def main(argv=None) -> None:
     )
   (args.out / f"{args.workload}.json").write_text(json.dumps(results, indent=1, default=str))
   print(_table(results, args.workload))
+
+
+def _bytes(text: str) -> int:
+  """'24MiB' -> bytes (the units `kvjax serve --kv-memory` takes)."""
+  units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+  for unit, factor in units.items():
+    if text.lower().endswith(unit):
+      return int(float(text[: -len(unit)]) * factor)
+  return int(text)
 
 
 def _table(results, workload) -> str:
