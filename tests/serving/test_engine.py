@@ -155,6 +155,7 @@ def test_two_hundred_requests_leave_no_row_or_page_held(model):
   assert int(cache.pages.num_free) == cache.num_pages - 1
 
 
+@pytest.mark.slow
 def test_a_request_whose_logits_are_not_finite_fails_alone():
   model = tiny_llama(max_context=256, qk_scale=20)
   poisoned = TOK.encode("~")[0]
