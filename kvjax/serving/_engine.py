@@ -313,7 +313,7 @@ class Engine:
       if not drain:
         for request in [*self._queue, *self._rows.values()]:
           self._cancelled.add(request.id)
-          request.emit(("error", "the server is stopping"))
+          _emit(request, ("error", "the server is stopping"))
       self._lock.notify()
     if self._thread is not None:
       self._thread.join(timeout)
@@ -395,7 +395,7 @@ class Engine:
       with self._lock:
         self._reserved -= request.reserved
       self.counters["failed"] += 1
-      request.emit(("error", f"{type(err).__name__}: {err}".splitlines()[0]))
+      _emit(request, ("error", f"{type(err).__name__}: {err}".splitlines()[0]))
       return
     with self._lock:
       self._reserved += need - request.reserved  # what the compressed context holds
@@ -414,13 +414,13 @@ class Engine:
       if request.id in self._cancelled:
         continue  # released next round, silently
       if count[row]:
-        request.emit(("tokens", tokens[row, : count[row]].tolist()))
+        _emit(request, ("tokens", tokens[row, : count[row]].tolist()))
         self.counters["generated_tokens"] += int(count[row])
       if failed[row]:
-        request.emit(("error", "NumericsError: the model gave non-finite logits"))
+        _emit(request, ("error", "NumericsError: the model gave non-finite logits"))
         done.append((row, "failed"))
       elif stopped[row] or remaining[row] == 0:
-        request.emit(("done", "stop" if stopped[row] else "length"))
+        _emit(request, ("done", "stop" if stopped[row] else "length"))
         done.append((row, "finished"))
     for row, why in done:
       self._release([row], why)
@@ -436,3 +436,12 @@ class Engine:
         request = self._rows.pop(row)
         self._reserved -= request.reserved
         self.counters[why] += 1
+
+
+def _emit(request: Request, event: tuple) -> None:
+  """Hands `event` to the request's callback; a callback that fails (its client's event
+  loop closed, say) loses its own events, never the engine's thread."""
+  try:
+    request.emit(event)
+  except Exception:  # noqa: BLE001 - the caller's callback, not the engine's error
+    pass
