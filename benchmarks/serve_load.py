@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import random
 import signal
-import subprocess
 import sys
 import time
 
@@ -41,6 +39,7 @@ import httpx
 import numpy as np
 
 from kvjax.eval import default_text
+from kvjax.testing import start_server
 
 MODEL = "smollm2-135m-instruct"
 
@@ -85,7 +84,7 @@ def question_requests(tokenizer, n: int, seed: int) -> tuple[list[str], list[dic
 # ---- the server ----------------------------------------------------------------------
 
 
-def start_server(config: str, args, log_path: pathlib.Path):
+def serve_config(config: str, args, log_path: pathlib.Path):
   """`kvjax serve` for one configuration: 'full', 'POLICY:BUDGET', 'int8', 'kvzip:F'."""
   flags = ["--kv-memory", args.kv_memory, "--rows", str(args.rows), "--queue", "4096"]
   name, _, budget = config.partition(":")
@@ -93,24 +92,7 @@ def start_server(config: str, args, log_path: pathlib.Path):
     flags += ["--kv-dtype", "int8"]
   elif name not in ("full", "kvzip"):  # a running policy is the server's
     flags += ["--policy", name, "--budget", budget]
-  log = open(log_path, "w+")  # noqa: SIM115 - the process writes to it
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "kvjax.cli", "serve", "--port", "0", *flags],
-      stdout=log,
-      stderr=subprocess.STDOUT,
-      env={**os.environ, "PYTHONUNBUFFERED": "1"},
-  )
-  deadline = time.monotonic() + 300
-  while time.monotonic() < deadline:
-    log.seek(0)
-    text = log.read()
-    if "on http://127.0.0.1:" in text:
-      return proc, "http://127.0.0.1:" + text.split("on http://127.0.0.1:")[1].split("/")[0]
-    if proc.poll() is not None:
-      raise RuntimeError(f"kvjax serve exited: {text[-1000:]}")
-    time.sleep(0.2)
-  proc.kill()
-  raise RuntimeError("kvjax serve did not start in 300 s")
+  return start_server(flags, log_path)
 
 
 async def _one(http, url, body, t0, record):
@@ -291,7 +273,7 @@ def transformers_peer(
     rng = random.Random(seed)
     sent, first, done = {}, {}, {}
 
-    def collect():
+    def collect(manager=manager, first=first, done=done):
       while len(done) < len(prompts):
         out = manager.get_result(timeout=1)
         if out is None:
@@ -351,7 +333,7 @@ def main(argv=None) -> None:
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"args": {k: str(v) for k, v in vars(args).items()}, "kvjax": {}}
   for config in args.configs:
-    proc, url = start_server(config, args, args.out / f"server-{config.replace(':', '_')}.log")
+    proc, url = serve_config(config, args, args.out / f"server-{config.replace(':', '_')}.log")
     try:
       endpoint, bodies = bodies_for(args.workload, config, requests, url, docs)
       # Untimed: the first requests compile the steps (both sides warm before timing).
@@ -384,7 +366,7 @@ def main(argv=None) -> None:
     results["transformers"] = transformers_peer(
         requests,
         args.rates,
-        parse_bytes(args.kv_memory, "--kv-memory"),
+        _bytes(args.kv_memory),
         args.seed,
         args.workload,
         docs,

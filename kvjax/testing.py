@@ -15,6 +15,7 @@ __all__ = [
     "assert_cache_invariants",
     "assert_compressed_once",
     "counting_traces",
+    "start_server",
     "tiny_gemma3",
     "tiny_hf_checkpoint",
     "tiny_llama",
@@ -240,3 +241,34 @@ def counting_traces(model_class=None):
     yield traces
   finally:
     model_class.run = original
+
+
+def start_server(flags, log_path, timeout: float = 300.0):
+  """`kvjax serve --port 0 FLAGS...` in a process of its own, its output in `log_path`;
+  returns (the process, its base URL on 127.0.0.1) once it listens. RuntimeError (with the
+  log's end) when it exits or does not listen within `timeout` seconds. For tests and
+  benchmarks: stop it with SIGTERM (it drains what runs, then exits 0)."""
+  import os
+  import subprocess
+  import sys
+  import time
+
+  log = open(log_path, "w+")  # noqa: SIM115 - the process writes to it
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "kvjax.cli", "serve", "--port", "0", *flags],
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env={**os.environ, "PYTHONUNBUFFERED": "1"},
+  )
+  marker = "on http://127.0.0.1:"
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    log.seek(0)
+    text = log.read()
+    if marker in text:
+      return proc, "http://127.0.0.1:" + text.split(marker)[1].split("/")[0]
+    if proc.poll() is not None:
+      raise RuntimeError(f"kvjax serve exited: {text[-2000:]}")
+    time.sleep(0.2)
+  proc.kill()
+  raise RuntimeError(f"kvjax serve did not listen within {timeout:g} s")

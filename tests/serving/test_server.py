@@ -2,15 +2,14 @@
 model, talked to with the official `openai` client and `httpx`. Every loop is bounded."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+
+from kvjax.testing import start_server
 
 MODEL = "smollm2-135m-instruct"
 KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
@@ -19,31 +18,14 @@ KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
 def _start(tmp_path, *flags):
   keys = tmp_path / "keys.txt"
   keys.write_text("# two tenants\n" + "\n".join(KEYS) + "\n")
-  log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - the process writes to it
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "kvjax.cli", "serve", "--port", "0", "--api-keys", str(keys), *flags],
-      stdout=log,
-      stderr=subprocess.STDOUT,
-      env={**os.environ, "PYTHONUNBUFFERED": "1"},
-  )
-  deadline = time.monotonic() + 240
-  while time.monotonic() < deadline:
-    log.seek(0)
-    text = log.read()
-    if "on http://127.0.0.1:" in text:
-      port = int(text.split("on http://127.0.0.1:")[1].split("/")[0])
-      return proc, f"http://127.0.0.1:{port}", log
-    if proc.poll() is not None:
-      raise AssertionError(f"the server exited: {text[-2000:]}")
-    time.sleep(0.2)
-  proc.kill()
-  raise AssertionError("the server did not start in 240 s")
+  flags = ["--api-keys", str(keys), *flags]
+  return start_server(flags, tmp_path / "server.log", timeout=240)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   root = tmp_path_factory.mktemp("serve")
-  proc, url, _ = _start(
+  proc, url = _start(
       root,
       "--rows",
       "2",
@@ -199,7 +181,7 @@ def test_disconnects_free_their_rows(server):
 
 @pytest.mark.slow
 def test_sigterm_drains_the_request_in_flight(tmp_path):
-  proc, url, _ = _start(tmp_path, "--rows", "1")
+  proc, url = _start(tmp_path, "--rows", "1")
   headers = {"Authorization": f"Bearer {KEYS[0]}"}
   with httpx.stream(
       "POST",
