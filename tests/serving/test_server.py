@@ -271,3 +271,25 @@ def test_a_tenants_context_quota_holds(server):
   assert r.status_code == 400 and r.json()["error"]["param"] == "policy"
   r = httpx.get(f"{url}/v1/no-such-endpoint", headers=bob)
   assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-memory", "12XB"], "--kv-memory must be bytes with a unit"),
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--rows", "0"], "rows must be an int >= 1"),
+        (["--context-ttl", "0"], "--context-ttl must be > 0"),
+        (["--api-keys", "KEYFILE"], "an API key is one word of at least 8 characters"),
+    ],
+)
+def test_bad_command_lines_exit_2_in_one_line_before_any_work(argv, message, tmp_path, capsys):
+  from kvjax import cli
+
+  keys = tmp_path / "keys.txt"
+  keys.write_text("short\n")
+  argv = [str(keys) if a == "KEYFILE" else a for a in argv]
+  assert cli.main(["serve", *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1 and "loading" not in err
