@@ -202,6 +202,9 @@ class _Service:
     except (ValueError, TypeError) as err:
       self.count(endpoint, 400)
       return _error(400, str(err).splitlines()[0], "invalid_request_error", _param_of(err))
+    except RuntimeError as err:  # the engine stopped (the server is shutting down)
+      self.count(endpoint, 503)
+      return _error(503, str(err), "server_error", headers={"Retry-After": "1"})
     rid = wire.new_id("chatcmpl" if chat else "cmpl")
     flow = _events(events, text, self.engine, job)
     if body.stream:
