@@ -560,3 +560,28 @@ def test_a_chat_model_reads_the_question_in_its_template_without_a_cue():
   ids = _answers.encode_question(tok, "What is it?", True, "It is")
   text = tok.decode(ids)
   assert "What is it?" in text and "It is" not in text and "<|im_start|>assistant" in text
+
+
+def test_text_windows_read_as_documents_begin_with_the_bos_a_tokenizer_adds(monkeypatch):
+  class BosTokenizer:
+    add_bos, bos_id = True, 1
+
+  assert _data.document_start(BosTokenizer()) == [1]
+  assert _data.document_start(Tokenizer.from_gguf(resolve_model().path)) == []  # SmolLM2
+  pairs = _data.text_windows(list(range(10, 110)), 10, 2, 3, [1])
+  assert all(len(c) == 10 and c[0] == 1 and c[1] != 1 for c, _ in pairs)
+  seen = []
+  monkeypatch.setattr(
+      _tasks, "continuation_logits", lambda m, context, *a, **k: seen.append(context) or (None,)
+  )
+  metrics = dict(kl=0.0, top1=1.0, ppl=1.0, ppl_full=1.0, kept_fraction=1.0, kv_bytes=0)
+  monkeypatch.setattr(_tasks, "fidelity", lambda *a, **k: {**metrics, "peak_kv_bytes": 0})
+  _tasks.windowed_fidelity(
+      None,
+      BosTokenizer(),
+      list(range(10, 410)),
+      context_tokens=64,
+      continuation_tokens=8,
+      windows=2,
+  )
+  assert seen and all(c[0] == 1 and len(c) == 64 for c in seen)

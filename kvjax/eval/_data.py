@@ -258,10 +258,27 @@ def _starts(total: int, span: int, count: int) -> list[int]:
   return np.linspace(0, total - span, count).astype(int).tolist() if count > 1 else [0]
 
 
+def document_start(tokenizer) -> list[int]:
+  """The ids a document begins with: the tokenizer's BOS where it adds one (Gemma's), none
+  otherwise. A window cut from a text is read as a document, as the model was trained."""
+  if getattr(tokenizer, "add_bos", False) and getattr(tokenizer, "bos_id", None) is not None:
+    return [tokenizer.bos_id]
+  return []
+
+
 def text_windows(
-    ids: list[int], context_tokens: int, continuation_tokens: int, windows: int
+    ids: list[int],
+    context_tokens: int,
+    continuation_tokens: int,
+    windows: int,
+    start: Sequence[int] = (),
 ) -> list[tuple[list[int], list[int]]]:
-  """`windows` disjoint (context, continuation) pairs spread evenly over `ids`."""
+  """`windows` disjoint (context, continuation) pairs spread evenly over `ids`; each context
+  begins with `start` (e.g. `document_start`) and holds `context_tokens` in all."""
+  start = list(start)
+  if start:
+    pairs = text_windows(ids, context_tokens - len(start), continuation_tokens, windows)
+    return [(start + context, continuation) for context, continuation in pairs]
   span = context_tokens + continuation_tokens
   if len(ids) < span * windows:
     raise ValueError(

@@ -422,7 +422,8 @@ def windowed_fidelity(
   `references` (a dict, filled on first use) caches the full-cache logits per window, so a
   sweep over policies runs the full cache once per window.
   """
-  pairs = _data.text_windows(list(ids), context_tokens, continuation_tokens, windows)
+  start = _data.document_start(tokenizer)
+  pairs = _data.text_windows(list(ids), context_tokens, continuation_tokens, windows, start)
   spec = at_budget(spec, context_tokens)
   reference = full_cache_spec(spec)
   references = {} if references is None else references

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvjax.eval._data import text_windows
+from kvjax.eval._data import document_start, text_windows
 from kvjax.runtime.prompts import Segment
 
 
@@ -74,7 +74,9 @@ def text_items(
           scored_from=0,
           budget_length=len(context),
       )
-      for context, continuation in text_windows(ids, context_tokens, continuation_tokens, count)
+      for context, continuation in text_windows(
+          ids, context_tokens, continuation_tokens, count, document_start(tokenizer)
+      )
   ]
 
 
