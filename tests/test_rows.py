@@ -50,7 +50,8 @@ def _same_sequences(cache, row, source):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the served batch inserts and releases rows in the default suite
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_inserted_rows_hold_the_requests_and_released_rows_give_every_page_back(kv_dtype):
   model = tiny_llama(max_context=256, qk_scale=20)
   spec = kvjax.CompressionSpec(page_size=8, kv_dtype=kv_dtype)

@@ -23,18 +23,17 @@ from kvjax.testing import ByteTokenizer, tiny_llama
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("full", "h2o", "kvzip")  # kvzip: the best query-agnostic policy
 MESHES = ("data=4,model=1", "data=1,model=2", "data=2,model=2")
-# By default a compress-once policy and a running one on quantized pages, on the mesh that
+# By default a compress-once policy on the mesh that
 # splits both axes (test_two_processes_agree_with_one runs h2o on float pages); every
 # policy x mesh with -m slow. A budget shared across kv heads (AdaKV) ranks every head of a
 # row: gathered over `model`. The learned scorer predicts every kv head's score: each shard
 # keeps its own heads'.
-DEFAULT_CASES = [
-    "kvzip@data=2,model=2",
-    "h2o:int8@data=2,model=2",  # quantized pages: codes and scales sharded with their tokens
-]
+DEFAULT_CASES = ["kvzip@data=2,model=2"]
 SLOW_CASES = [f"{p}@{m}" for p in POLICIES for m in MESHES if f"{p}@{m}" not in DEFAULT_CASES]
 SLOW_CASES += ["snapkv+layer@data=1,model=2", "learned@data=1,model=2"]
 SLOW_CASES += ["kvzip:int4@data=2,model=2", "full:int8@data=1,model=2"]
+# Quantized pages: codes and scales sharded with their tokens.
+SLOW_CASES += ["h2o:int8@data=2,model=2"]
 # A hybrid cache (sliding-window layers beside full ones) on the mesh that splits both axes.
 SLOW_CASES += ["gemma3/kvzip@data=2,model=2", "gemma3/h2o:int8@data=2,model=2"]
 CASES = [*DEFAULT_CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)]

@@ -139,6 +139,7 @@ def test_a_running_budget_admits_more_requests_into_the_same_memory(model):
   assert most["h2o"] >= 3 * most["full"], most
 
 
+@pytest.mark.slow
 def test_two_hundred_requests_leave_no_row_or_page_held(model):
   spec = kvjax.CompressionSpec(page_size=8)
   engine = _engine(model, spec, pages=80, rows=4, queue=256)

@@ -80,7 +80,13 @@ def test_chat_streaming_completions_and_models_with_the_openai_client(server):
       model=MODEL, prompt="One, two, three,", max_tokens=5, temperature=0
   )
   assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
-  # A request's own compression (kvzip keeping half of its prompt) in the extension field.
+
+
+@pytest.mark.slow  # compiles kvzip's passes for its prompt: ~10 s
+def test_a_request_chooses_its_own_compression(server):
+  url, _ = server
+  client = _client(url)
+  # kvzip keeping half of the prompt, in kvjax's extension field.
   zipped = client.chat.completions.create(
       model=MODEL,
       messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -161,6 +167,7 @@ def _idle(url, seconds=60):
     time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_disconnects_free_their_rows(server):
   url, _ = server
   headers = {"Authorization": f"Bearer {KEYS[0]}"}
@@ -243,6 +250,7 @@ def test_a_context_compressed_once_answers_its_tenant_only(server):
   assert r.status_code == 404
 
 
+@pytest.mark.slow
 def test_a_tenants_context_quota_holds(server):
   url, _ = server
   bob = {"Authorization": f"Bearer {KEYS[1]}"}
