@@ -261,6 +261,7 @@ def run(params, batch: Batch, stop_tokens, *, graphdef, steps: int) -> tuple[Bat
 
 
 def run_steps(model, batch: Batch, stop_tokens: np.ndarray, steps: int):
-  """`run` from the host: (batch, Stepped) with the model split into its static graph."""
+  """`run` from the host: (batch, Stepped) with the model split into its static graph
+  (tests; the engine splits the model and puts the stop ids on the device once)."""
   graphdef, params = nnx.split(model)
   return run(params, batch, jax.device_put(stop_tokens), graphdef=graphdef, steps=steps)

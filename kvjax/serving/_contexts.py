@@ -71,9 +71,7 @@ class ContextStore:
   def usage(self, tenant: str) -> int:
     """Bytes the tenant's contexts take on disk."""
     directory = self._dir(tenant)
-    if not directory.is_dir():
-      return 0
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+    return _size(directory) if directory.is_dir() else 0
 
   def save(self, tenant: str, state, tokens: int) -> Context:
     """Stores a compressed context `state` (one row) for `tenant`; QuotaExceeded when its

@@ -26,7 +26,9 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
+from flax import nnx
 
 from kvjax.cache.paged_cache import check_status, to_host
 from kvjax.cache.pages import pages_for
@@ -138,7 +140,10 @@ class Engine:
     self.windows = np.asarray(cfg.windows or (0,) * self.shape.n_layers)
     self.margin = cfg.margin if cfg.evicts else 0
     self.capacity = num_pages
-    self.stop_tokens = np.asarray(list(tokenizer.eos_ids or ()) or [-1], np.int32)
+    stop = np.asarray(list(tokenizer.eos_ids or ()) or [-1], np.int32)
+    # Split once: a decode round hands the compiled step the same arrays every time.
+    self._graphdef, self._params = nnx.split(model)
+    self._stop = jax.device_put(stop)
     self._lock = threading.Condition()
     self._queue: collections.deque[Request] = collections.deque()
     self._cancelled: set[int] = set()
@@ -404,11 +409,14 @@ class Engine:
 
   def _step(self) -> None:
     start = time.perf_counter()
-    self.batch, out = _batch.run_steps(self.model, self.batch, self.stop_tokens, self.config.steps)
-    count, tokens = to_host(out.count), to_host(out.tokens)
+    self.batch, out = _batch.run(
+        self._params, self.batch, self._stop, graphdef=self._graphdef, steps=self.config.steps
+    )
+    # One transfer of what the host needs from the round.
+    count, tokens, stopped, failed, remaining = jax.device_get(
+        (out.count, out.tokens, out.stopped, out.failed, self.batch.remaining)
+    )
     self._rate = round(float(count.sum()) / max(time.perf_counter() - start, 1e-9), 2)
-    stopped, failed = to_host(out.stopped), to_host(out.failed)
-    remaining = to_host(self.batch.remaining)
     done = []
     for row, request in list(self._rows.items()):
       if request.id in self._cancelled:
