@@ -102,7 +102,11 @@ def test_a_request_that_could_never_fit_is_refused_naming_the_limit(model):
 def test_a_full_queue_refuses_and_a_cancel_frees_the_row(model):
   spec = kvjax.CompressionSpec(page_size=8)
   engine = _engine(model, spec, pages=400, rows=1, queue=1)
-  first, c1 = _request("the first one", spec, 200)
+  # The first request's callback holds the engine's thread after its first tokens until the
+  # cancel is in, so it cannot finish its 200 tokens first (a race on a fast machine).
+  gate = threading.Event()
+  c1 = Collector()
+  first = Request(TOK.encode("the first one"), spec, 200, lambda e: (c1(e), gate.wait(60)))
   engine.submit(first)
   while not c1.tokens:
     c1.finished.wait(0.05)
@@ -112,6 +116,7 @@ def test_a_full_queue_refuses_and_a_cancel_frees_the_row(model):
   with pytest.raises(QueueFull):
     engine.submit(third)
   engine.cancel(first.id)
+  gate.set()
   assert c2.finished.wait(60) and c2.end == ("done", "length")
   assert not c1.finished.is_set()  # a cancelled request hears nothing more
   engine.stop()
