@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import pathlib
 import random
@@ -40,6 +41,7 @@ import numpy as np
 
 from kvjax.eval import default_text
 from kvjax.testing import start_server
+from kvjax_store import files
 
 MODEL = "smollm2-135m-instruct"
 
@@ -95,13 +97,14 @@ def serve_config(config: str, args, log_path: pathlib.Path):
   return start_server(flags, log_path)
 
 
-async def _one(http, url, body, t0, record):
+async def _one(http, url, body, t0, record, index):
   """One streamed request: time to first content, end, tokens, text."""
   start = time.perf_counter()
   first, text, usage = None, [], None
   async with http.stream("POST", url, json=body) as r:
     if r.status_code != 200:
-      record.append({"status": r.status_code, "error": (await r.aread()).decode()[:200]})
+      error = (await r.aread()).decode()[:200]
+      record.append({"index": index, "status": r.status_code, "error": error})
       return
     async for line in r.aiter_lines():
       if not line.startswith("data: ") or line == "data: [DONE]":
@@ -117,6 +120,7 @@ async def _one(http, url, body, t0, record):
   end = time.perf_counter()
   record.append(
       {
+          "index": index,
           "status": 200,
           "arrived": start - t0,
           "ttft": (first or end) - start,
@@ -144,10 +148,11 @@ async def run_rate(url, bodies, rate, endpoint, seed):
   t0 = time.perf_counter()
   async with httpx.AsyncClient(timeout=3600) as http:
     tasks = []
-    for body in bodies:
+    for index, body in enumerate(bodies):
       await asyncio.sleep(rng.expovariate(rate))
-      tasks.append(asyncio.create_task(_one(http, f"{url}{endpoint}", body, t0, record)))
+      tasks.append(asyncio.create_task(_one(http, f"{url}{endpoint}", body, t0, record, index)))
     await asyncio.gather(*tasks)
+  record.sort(key=lambda r: r["index"])  # request order (they end in any order)
   wall = time.perf_counter() - t0
   stop.set()
   await watcher
@@ -156,12 +161,16 @@ async def run_rate(url, bodies, rate, endpoint, seed):
 
 def summarise(record, most, wall) -> dict:
   ok = [r for r in record if r["status"] == 200]
-  q = lambda xs, p: float(np.percentile(xs, p)) if xs else None  # noqa: E731
+
+  def q(xs, p):
+    return float(np.percentile(xs, p)) if xs else None
+
   tokens = sum(r["tokens"] or 0 for r in ok)
   return {
       "requests": len(record),
       "failed": len(record) - len(ok),
       "tokens_per_s": tokens / wall,
+      "requests_per_s": len(ok) / wall,
       "most_in_flight": most,
       "ttft_p50": q([r["ttft"] for r in ok], 50),
       "ttft_p99": q([r["ttft"] for r in ok], 99),
@@ -214,6 +223,22 @@ def bodies_for(workload, config, requests, url, docs=None):
       body["messages"] = [{"role": "user", "content": docs[r["doc"]] + "\n\n" + question}]
     out.append(body)
   return "/v1/chat/completions", out
+
+
+def warm_bodies(bodies) -> list[dict]:
+  """Short requests that compile what the timed ones run: one prompt per power-of-two length
+  bucket (prefill chunks follow it), a few at once (decode rounds of a few widths)."""
+  buckets = {}
+  for body in bodies:
+    length = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 0
+    buckets.setdefault((length - 1).bit_length(), body)
+  return [dict(b, max_tokens=4) for b in [*buckets.values(), *bodies[:2]]]
+
+
+def accuracy(requests, record) -> float:
+  """Share of the answered questions whose answer holds the code asked for."""
+  ok = [(q, r) for q, r in zip(requests, record) if r["status"] == 200]
+  return sum(q["answer"] in r["text"] for q, r in ok) / max(len(ok), 1)
 
 
 def fidelity(record, reference) -> float:
@@ -281,7 +306,7 @@ def transformers_peer(
         now = time.perf_counter()
         first.setdefault(out.request_id, now)
         if out.is_finished():
-          done[out.request_id] = (now, len(out.generated_tokens))
+          done[out.request_id] = (now, list(out.generated_tokens))
 
     thread = threading.Thread(target=collect)
     thread.start()
@@ -298,11 +323,14 @@ def transformers_peer(
             "status": 200,
             "ttft": first[k] - sent[k],
             "latency": done[k][0] - sent[k],
-            "tokens": done[k][1],
+            "tokens": len(done[k][1]),
+            "text": tokenizer.decode(done[k][1]),
         }
         for k in sent
     ]
     rows[rate] = summarise(record, None, wall)
+    if workload == "questions":
+      rows[rate]["accuracy"] = accuracy(requests, record)
   return rows
 
 
@@ -321,7 +349,17 @@ def main(argv=None) -> None:
   parser.add_argument("--new-tokens", type=int, nargs=2, default=[256, 512], metavar=("MIN", "MAX"))
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("serve-load"))
+  parser.add_argument(
+      "--report",
+      type=pathlib.Path,
+      metavar="JSON",
+      help="measure nothing: write the table and plot of a run already made",
+  )
   args = parser.parse_args(argv)
+  if args.report is not None:
+    results = json.loads(args.report.read_text())
+    report(results, results["args"]["workload"], args.report.parent)
+    return
   from models import load_decoder
 
   _, tokenizer = load_decoder(MODEL)
@@ -337,16 +375,12 @@ def main(argv=None) -> None:
     try:
       endpoint, bodies = bodies_for(args.workload, config, requests, url, docs)
       # Untimed: the first requests compile the steps (both sides warm before timing).
-      asyncio.run(run_rate(url, [dict(b, max_tokens=4) for b in bodies[:2]], 100.0, endpoint, 1))
+      asyncio.run(run_rate(url, warm_bodies(bodies), 100.0, endpoint, 1))
       for rate in args.rates:
         record, most, wall = asyncio.run(run_rate(url, bodies, rate, endpoint, args.seed))
         row = summarise(record, most, wall)
         if args.workload == "questions":
-          ok = [r for r in record if r["status"] == 200]
-          right = sum(
-              q["answer"] in r["text"] for q, r in zip(requests, record) if r["status"] == 200
-          )
-          row["accuracy"] = right / max(len(ok), 1)
+          row["accuracy"] = accuracy(requests, record)
         row["record"] = record
         results["kvjax"].setdefault(config, {})[rate] = row
         print(
@@ -372,8 +406,49 @@ def main(argv=None) -> None:
         docs,
         tokenizer,
     )
-  (args.out / f"{args.workload}.json").write_text(json.dumps(results, indent=1, default=str))
-  print(_table(results, args.workload))
+  files.write_text(args.out / f"{args.workload}.json", json.dumps(results, indent=1, default=str))
+  report(results, args.workload, args.out)
+
+
+def report(results: dict, workload: str, out: pathlib.Path) -> None:
+  """`WORKLOAD.md` (the table) and `WORKLOAD.png` (tokens/s against arrival rate, one line
+  per configuration) beside the JSON, each written atomically."""
+  table = _table(results, workload)
+  files.write_text(out / f"{workload}.md", table + "\n")
+  print(table)
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed: no plot", file=sys.stderr)
+    return
+  sides = [(f"kvjax {c}", rows) for c, rows in results["kvjax"].items()]
+  if "transformers" in results:
+    sides.append(("transformers CB (full)", results["transformers"]))
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, rows in sides:
+    rates = sorted(rows, key=float)
+    ax.plot([float(r) for r in rates], [rows[r]["tokens_per_s"] for r in rates], "o-", label=name)
+  ax.set_xscale("log")
+  ax.set_xlabel("arrival rate (requests/s, Poisson)")
+  ax.set_ylabel("generated tokens/s")
+  ax.set_ylim(bottom=0)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.set_title(
+      f"kvjax serve, {workload} workload, {results['args']['requests']} requests per rate,\n"
+      f"--kv-memory {results['args']['kv_memory']} (transformers: the same K/V bytes)",
+      fontsize=9,
+  )
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  # Rendered to bytes and written atomically (a symlink planted at the path is replaced,
+  # never followed).
+  image = io.BytesIO()
+  fig.savefig(image, format="png", dpi=110)
+  plt.close(fig)
+  files.write_bytes(out / f"{workload}.png", image.getvalue())
 
 
 def _bytes(text: str) -> int:
@@ -386,9 +461,12 @@ def _bytes(text: str) -> int:
 
 
 def _table(results, workload) -> str:
-  head = "| configuration | rate (req/s) | tokens/s | most in flight | TTFT p50 / p99 (s) | latency p50 / p99 (s) |"
+  head = (
+      "| configuration | rate (req/s) | tokens/s | requests/s | most in flight "
+      "| TTFT p50 / p99 (s) | latency p50 / p99 (s) |"
+  )
   extra = " accuracy |" if workload == "questions" else " fidelity |"
-  lines = [head + extra, "|---|---:|---:|---:|---:|---:|---:|"]
+  lines = [head + extra, "|---|---:|---:|---:|---:|---:|---:|---:|"]
   sides = [(f"kvjax {c}", rows) for c, rows in results["kvjax"].items()]
   if "transformers" in results:
     sides.append(("transformers CB", results["transformers"]))
@@ -396,7 +474,8 @@ def _table(results, workload) -> str:
     for rate, r in rows.items():
       score = r.get("accuracy", r.get("fidelity"))
       lines.append(
-          f"| {name} | {rate} | {r['tokens_per_s']:.1f} | {r['most_in_flight'] if r['most_in_flight'] is not None else '-'} "
+          f"| {name} | {rate} | {r['tokens_per_s']:.1f} | {r.get('requests_per_s', 0):.2f} "
+          f"| {r['most_in_flight'] if r['most_in_flight'] is not None else '-'} "
           f"| {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['latency_p50']:.1f} / {r['latency_p99']:.1f} "
           f"| {'-' if score is None else f'{score:.3f}'} |"
       )

@@ -160,12 +160,22 @@ class PageTable:
     length = self.length - evicted.sum(-1) * page_size
     return pages.replace(table=table, length=length), ids
 
-  def release(self, rows: Bool[Array, " B"], page_size: int):
-    """Every sequence of the rows marked in `rows` gives all its pages back and holds no
-    token (a finished request's slot). Returns (table, freed page ids) as `free` does."""
-    owned = jnp.arange(self.table.shape[-1]) < self.held(page_size)[..., None]  # [L, B, H, M]
-    pages, ids = self.free(owned & rows[None, :, None, None])
-    return pages.replace(length=jnp.where(rows[None, :, None], 0, self.length)), ids
+  def release(self, row, page_size: int):
+    """Every sequence of row `row` (traced) gives all its pages back and holds no token (a
+    finished request's slot). Returns (table, freed page ids [L * H * M]) as `free` does.
+    Only the row's entries are read: a release costs one row, not the batch."""
+    num_pages, m = self.free_pages.shape[0], self.table.shape[-1]
+    held = pages_for(self.length[:, row], page_size)  # [L, H]
+    flag = (jnp.arange(m) < held[..., None]).reshape(-1)  # [L * H * M]
+    pages = self.table[:, row].reshape(-1)
+    dest = jnp.where(flag, self.num_free + jnp.cumsum(flag) - 1, num_pages)
+    released = self.replace(
+        table=self.table.at[:, row].set(NULL_PAGE),
+        length=self.length.at[:, row].set(0),
+        free_pages=self.free_pages.at[dest].set(pages, mode="drop"),
+        num_free=self.num_free + flag.sum(),
+    )
+    return released, jnp.where(flag, pages, num_pages)
 
   def adopt(
       self, row, length: Int[Array, "L H"], page_size: int, max_tokens: int

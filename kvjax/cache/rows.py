@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool
 
 from kvjax.cache.paged_cache import PagedKVCache, Status, one_device
-from kvjax.cache.pages import NULL_PAGE
 
 
-def release_rows(cache: PagedKVCache, rows: Bool[Array, " B"]) -> PagedKVCache:
-  """The cache with the rows marked in `rows` holding nothing: their pages back in the pool."""
-  one_device(cache, "release_rows")
-  pages, ids = cache.pages.release(rows, cache.config.page_size)
+def release_row(cache: PagedKVCache, row) -> PagedKVCache:
+  """The cache with row `row` (traced) holding nothing: its pages back in the pool."""
+  one_device(cache, "release_row")
+  pages, ids = cache.pages.release(row, cache.config.page_size)
   return cache.freed(pages, ids)
 
 
@@ -58,9 +56,10 @@ def insert_row(cache: PagedKVCache, row, source: PagedKVCache, source_row=0) -> 
   config, m = cache.config, cache.page_table.shape[-1]
   length = source.length[:, source_row]  # [L, H]
   pages, dest, fits = cache.pages.adopt(row, length, config.page_size, config.max_tokens)
-  src = source.page_table[:, source_row, :, :m]  # [L, H, <=M] its pages in its own pool
-  src = jnp.pad(src, [(0, 0), (0, 0), (0, m - src.shape[-1])], constant_values=NULL_PAGE)
-  dest, src = dest.reshape(-1), src.reshape(-1)  # dest is P (dropped) past each sequence
+  # Only the source's table width is copied (a request's cache is sized for its prompt, the
+  # batch's rows for the longest request): the rest of the row takes no page.
+  src = source.page_table[:, source_row, :, :m]  # [L, H, Ms] its pages in its own pool
+  dest, src = dest[..., : src.shape[-1]].reshape(-1), src.reshape(-1)  # P (dropped) past each
 
   def move(ours, theirs):
     return ours.at[dest].set(theirs[src], mode="drop")

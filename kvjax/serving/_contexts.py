@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from kvjax.persistence import StateFileError, load_state, save_state, state_info
-from kvjax_store.files import make_dirs
 from kvjax_store.cache_dir import unsafe_reason
+from kvjax_store.files import make_dirs
 
 _ID = re.compile(r"ctx-[0-9a-f]{32}")
 _TENANT = re.compile(r"[0-9a-z]{1,64}")

@@ -34,6 +34,7 @@ from kvjax.cache.paged_cache import check_status, to_host
 from kvjax.cache.pages import pages_for
 from kvjax.cache.sizing import window_peak
 from kvjax.eviction.budgets import NEVER
+from kvjax.runtime.compilation import compile_ahead, compiled
 from kvjax.runtime.sampling import Sampling
 from kvjax.runtime.session import extend, prefill
 from kvjax.seam import ModelShape
@@ -101,6 +102,7 @@ class Request:
   # Set by the engine.
   prompt_tokens: int = 0
   reserved: int = 0
+  depth: int = 0  # the most pages one of its sequences holds at its peak
   arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
 
@@ -137,6 +139,7 @@ class Engine:
       )
     self.batch = _batch.empty_batch(model, plan, config.rows, num_pages + 1, self.max_tokens)
     cfg = self.batch.state.cache.config
+    self.page_size, self.max_pages = cfg.page_size, self.batch.state.cache.pages.table.shape[-1]
     self.windows = np.asarray(cfg.windows or (0,) * self.shape.n_layers)
     self.margin = cfg.margin if cfg.evicts else 0
     self.capacity = num_pages
@@ -167,6 +170,10 @@ class Engine:
     """Pages a row needs at its peak, per layer [L]: sequences holding `kept` tokens ([L, H], or one count
     for all) that grow by up to `max_tokens`, a full layer's evicted back once it passes
     `budget` and the margin (a sliding layer's, once past its window)."""
+    return self._peak_pages(kept, max_tokens, budget).sum(-1)  # [L]
+
+  def _peak_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
+    """Pages each sequence [L, H] holds at its peak (`layer_pages`)."""
     kept = np.broadcast_to(np.asarray(kept, np.int64), (self.shape.n_layers, self.shape.n_kv_heads))
     ps = self.batch.state.cache.config.page_size
     grown = kept + max_tokens
@@ -175,8 +182,7 @@ class Engine:
         window_peak(self.windows, ps, 1),
         np.int64(NEVER) if budget >= NEVER else budget + self.margin + 1,
     )[:, None]
-    peak = np.minimum(grown, np.maximum(kept, cap))
-    return pages_for(peak, ps).sum(-1)  # [L]
+    return pages_for(np.minimum(grown, np.maximum(kept, cap)), ps)
 
   def pages_needed(self, kept, max_tokens: int, budget: int) -> int:
     """`layer_pages` over all layers."""
@@ -303,7 +309,21 @@ class Engine:
 
   # ---- the thread ----------------------------------------------------------------------
 
+  def _statics(self, width: int, depth: int) -> dict:
+    return {"graphdef": self._graphdef, "steps": self.config.steps, "width": width, "depth": depth}
+
   def start(self) -> Engine:
+    # The decode rounds of every width compile (or load from kvjax's executable store) in
+    # the background from now: the first requests find them ready, or wait for them only.
+    args = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
+        ),
+        (self._params, self.batch, self._stop),
+    )
+    shallow = _batch.depth_for(0, self.page_size, self.max_pages)  # deeper ones when asked
+    for width in _batch.widths(self.config.rows):
+      compile_ahead(_batch.run, self._statics(width, shallow), *args, returns=_batch.run_returns)
     with self._lock:
       self._running = True
     self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
@@ -385,7 +405,8 @@ class Engine:
           else self.row_budget(request.spec, request.prompt_tokens)
       )
       kept = to_host(state.cache.length)[:, 0]  # [L, H]
-      need = self.pages_needed(kept, request.max_tokens, budget)
+      peak = self._peak_pages(kept, request.max_tokens, budget)
+      need = int(peak.sum())
       self.batch = _batch.insert(
           self.batch,
           state,
@@ -405,13 +426,17 @@ class Engine:
     with self._lock:
       self._reserved += need - request.reserved  # what the compressed context holds
       request.reserved = need
+      request.depth = int(peak.max())
       self._rows[row] = request
 
   def _step(self) -> None:
     start = time.perf_counter()
-    self.batch, out = _batch.run(
-        self._params, self.batch, self._stop, graphdef=self._graphdef, steps=self.config.steps
-    )
+    width = _batch.width_for(self._rows, self.config.rows)
+    deepest = max(request.depth for request in self._rows.values())
+    depth = _batch.depth_for(deepest, self.page_size, self.max_pages)
+    args = (self._params, self.batch, self._stop)
+    step = compiled(_batch.run, self._statics(width, depth), *args, returns=_batch.run_returns)
+    self.batch, out = step(*args)
     # One transfer of what the host needs from the round.
     count, tokens, stopped, failed, remaining = jax.device_get(
         (out.count, out.tokens, out.stopped, out.failed, self.batch.remaining)
@@ -436,9 +461,8 @@ class Engine:
   def _release(self, rows: list[int], why: str) -> None:
     if not rows:
       return
-    mask = np.zeros(self.config.rows, bool)
-    mask[rows] = True
-    self.batch = _batch.release(self.batch, mask)
+    for row in rows:
+      self.batch = _batch.release(self.batch, row)
     with self._lock:
       for row in rows:
         request = self._rows.pop(row)

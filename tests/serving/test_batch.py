@@ -28,9 +28,11 @@ def _prefill(model, prompt, spec):
   return kvjax.prefill(model, [prompt], spec, tokenizer=TOK)
 
 
-def _serve(model, spec, schedule, rows=3, steps=4, num_pages=200):
+def _serve(model, spec, schedule, rows=3, steps=4, num_pages=200, narrow=False):
   """Runs `schedule`: (row, prompt, max_tokens) in order of arrival, each inserted as soon as
-  its row is free. Returns {index: (tokens, final logits)} and the batch at the end."""
+  its row is free. Returns {index: (tokens, final logits)} and the batch at the end.
+  `narrow`: each round computes only the rows up to the last active one and reads the
+  first 8 entries of their tables (64 tokens: every page they hold), as the engine does."""
   batch = _batch.empty_batch(model, _plan(model, spec), rows, num_pages, max_tokens=256)
   budget = NEVER if not spec.evicts else spec.budget
   pending = list(enumerate(schedule))
@@ -44,19 +46,17 @@ def _serve(model, spec, schedule, rows=3, steps=4, num_pages=200):
         )
         holder[row], out[i] = i, []
         pending.remove((i, (row, prompt, max_tokens)))
-    batch, stepped = _batch.run_steps(model, batch, STOP, steps)
+    width, depth = (_batch.width_for(holder, rows), 8) if narrow else (None, None)
+    batch, stepped = _batch.run_steps(model, batch, STOP, steps, width=width, depth=depth)
     longest = max(longest, int(np.asarray(batch.state.cache.length).max()))
     count, tokens = np.asarray(stepped.count), np.asarray(stepped.tokens)
     remaining = np.asarray(batch.remaining)
-    finished = np.zeros(rows, bool)
     for row, i in list(holder.items()):
       out[i] += tokens[row, : count[row]].tolist()
       if remaining[row] == 0:
         logits[i] = np.asarray(batch.state.logits[row])
-        finished[row] = True
         del holder[row]
-    if finished.any():
-      batch = _batch.release(batch, finished)
+        batch = _batch.release(batch, row)
   return {i: (out[i], logits[i]) for i in out}, batch, longest
 
 
@@ -75,6 +75,15 @@ def test_a_rows_tokens_and_logits_do_not_depend_on_its_neighbours(model):
   alone, _, _ = _serve(model, spec, [(0, "abc " * 9, 9)])
   assert alone[0][0] == first[2][0]
   np.testing.assert_array_equal(alone[0][1], first[2][1])
+  # Rounds that compute only the rows up to the last active one (widths 2, 4, 2 here) and
+  # read the first 8 of 32 table entries: the same tokens (the matmuls' width may change the
+  # last bits of the logits).
+  narrow, batch, _ = _serve(
+      model, spec, [(1, target, 10), (0, "hello there", 3), (3, "abc " * 9, 9)], rows=5, narrow=True
+  )
+  assert narrow[0][0] == first[0][0] and narrow[2][0] == first[2][0]
+  np.testing.assert_allclose(narrow[0][1], first[0][1], atol=1e-5)
+  assert int(batch.state.cache.pages.num_free) == batch.state.cache.num_pages - 1
 
 
 @pytest.mark.slow
