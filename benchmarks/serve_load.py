@@ -17,8 +17,9 @@ Workloads:
              the full cache reads the document with every question; `kvzip:F` compresses
              each document once (POST /v1/contexts) and asks with its context_id; accuracy
 
-Reports per configuration and rate: generated tokens/s, most requests in flight (rows in
-use, sampled from /metrics), p50/p99 time to first token and latency; JSON and markdown.
+Reports per configuration and rate: generated tokens/s and requests/s, the most requests
+generating at once (between first token and end, as the client saw them), p50/p99 time to
+first token and latency; JSON, a markdown table and a plot of tokens/s against the rate.
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ def decode_requests(tokenizer, n: int, seed: int, new=(256, 512)) -> list[dict]:
 
 
 def question_requests(tokenizer, n: int, seed: int) -> tuple[list[str], list[dict]]:
-  """3 documents of ~2k tokens of the shipped text, each with codes hidden at spread
-  depths, and `n` questions over them (one code each)."""
+  """3 documents of ~2k tokens of the shipped text, each with 8 codes hidden at spread
+  depths, and `n` questions over them (one code each; 24 distinct)."""
   rng = random.Random(seed)
   text = default_text()
   docs, questions = [], []
-  subjects = ["red door", "blue box", "green key", "yellow car", "silver safe", "black gate"]
+  subjects = [
+      "red door", "blue box", "green key", "yellow car",
+      "silver safe", "black gate", "white boat", "brown desk",
+  ]  # fmt: skip
   for d in range(3):
     start = rng.randrange(0, len(text) - 12000)
     words = text[start : start + 9000].split(" ")
@@ -131,20 +135,9 @@ async def _one(http, url, body, t0, record, index):
   )
 
 
-async def _watch(url, stop: asyncio.Event, seen: list):
-  async with httpx.AsyncClient(timeout=10) as http:
-    while not stop.is_set():
-      metrics = (await http.get(f"{url}/metrics")).text
-      for line in metrics.splitlines():
-        if line.startswith("kvjax_rows_in_use "):
-          seen.append(int(float(line.split()[1])))
-      await asyncio.sleep(0.1)
-
-
 async def run_rate(url, bodies, rate, endpoint, seed):
   rng = random.Random(seed)
-  record, seen, stop = [], [], asyncio.Event()
-  watcher = asyncio.create_task(_watch(url, stop, seen))
+  record = []
   t0 = time.perf_counter()
   async with httpx.AsyncClient(timeout=3600) as http:
     tasks = []
@@ -153,13 +146,26 @@ async def run_rate(url, bodies, rate, endpoint, seed):
       tasks.append(asyncio.create_task(_one(http, f"{url}{endpoint}", body, t0, record, index)))
     await asyncio.gather(*tasks)
   record.sort(key=lambda r: r["index"])  # request order (they end in any order)
-  wall = time.perf_counter() - t0
-  stop.set()
-  await watcher
-  return record, max(seen, default=0), wall
+  return record, time.perf_counter() - t0
 
 
-def summarise(record, most, wall) -> dict:
+def most_in_flight(record) -> int:
+  """The most requests generating at once: between their first token and their end, as the
+  client saw them."""
+  events = sorted(
+      (r["arrived"] + t, step)
+      for r in record
+      if r["status"] == 200
+      for t, step in ((r["latency"], -1), (r["ttft"], 1))
+  )
+  most = now = 0
+  for _, step in events:
+    now += step
+    most = max(most, now)
+  return most
+
+
+def summarise(record, wall) -> dict:
   ok = [r for r in record if r["status"] == 200]
 
   def q(xs, p):
@@ -171,7 +177,7 @@ def summarise(record, most, wall) -> dict:
       "failed": len(record) - len(ok),
       "tokens_per_s": tokens / wall,
       "requests_per_s": len(ok) / wall,
-      "most_in_flight": most,
+      "most_in_flight": most_in_flight(record),
       "ttft_p50": q([r["ttft"] for r in ok], 50),
       "ttft_p99": q([r["ttft"] for r in ok], 99),
       "latency_p50": q([r["latency"] for r in ok], 50),
@@ -198,7 +204,7 @@ def bodies_for(workload, config, requests, url, docs=None):
   name, _, budget = config.partition(":")
   ids = None
   if name == "kvzip":
-    ids = []
+    ids, start = [], time.perf_counter()
     for doc in docs:
       made = httpx.post(
           f"{url}/v1/contexts",
@@ -207,6 +213,9 @@ def bodies_for(workload, config, requests, url, docs=None):
       )
       made.raise_for_status()
       ids.append(made.json()["id"])
+    print(
+        json.dumps({"config": config, "contexts_made_s": time.perf_counter() - start}), flush=True
+    )
   out = []
   for r in requests:
     question = f"What is the code of the {r['subject']}? Answer with the number only."
@@ -321,6 +330,7 @@ def transformers_peer(
     record = [
         {
             "status": 200,
+            "arrived": sent[k] - t0,
             "ttft": first[k] - sent[k],
             "latency": done[k][0] - sent[k],
             "tokens": len(done[k][1]),
@@ -328,9 +338,10 @@ def transformers_peer(
         }
         for k in sent
     ]
-    rows[rate] = summarise(record, None, wall)
+    rows[rate] = summarise(record, wall)
     if workload == "questions":
       rows[rate]["accuracy"] = accuracy(requests, record)
+    rows[rate]["record"] = record
   return rows
 
 
@@ -358,6 +369,10 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.report is not None:
     results = json.loads(args.report.read_text())
+    for rows in [*results["kvjax"].values(), results.get("transformers", {})]:
+      for row in rows.values():  # counted again from the requests where they are kept
+        if "record" in row:
+          row["most_in_flight"] = most_in_flight(row["record"])
     report(results, results["args"]["workload"], args.report.parent)
     return
   from models import load_decoder
@@ -377,8 +392,8 @@ def main(argv=None) -> None:
       # Untimed: the first requests compile the steps (both sides warm before timing).
       asyncio.run(run_rate(url, warm_bodies(bodies), 100.0, endpoint, 1))
       for rate in args.rates:
-        record, most, wall = asyncio.run(run_rate(url, bodies, rate, endpoint, args.seed))
-        row = summarise(record, most, wall)
+        record, wall = asyncio.run(run_rate(url, bodies, rate, endpoint, args.seed))
+        row = summarise(record, wall)
         if args.workload == "questions":
           row["accuracy"] = accuracy(requests, record)
         row["record"] = record
@@ -475,7 +490,7 @@ def _table(results, workload) -> str:
       score = r.get("accuracy", r.get("fidelity"))
       lines.append(
           f"| {name} | {rate} | {r['tokens_per_s']:.1f} | {r.get('requests_per_s', 0):.2f} "
-          f"| {r['most_in_flight'] if r['most_in_flight'] is not None else '-'} "
+          f"| {r['most_in_flight'] if r.get('most_in_flight') is not None else '-'} "
           f"| {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['latency_p50']:.1f} / {r['latency_p99']:.1f} "
           f"| {'-' if score is None else f'{score:.3f}'} |"
       )
