@@ -210,11 +210,14 @@ class Stepped:
   failed: Bool[Array, " S"]
 
 
+MIN_WIDTH = 4  # the fewest rows a round computes (narrower ones save little, cost programs)
+
+
 def width_for(active_rows, rows: int) -> int:
-  """The rows a decode round computes: the narrowest power of two (or all `rows`) that
-  holds every active row, so a few programs serve every load and an idle row costs nothing
-  (a row's matmuls cost the same whether it is active or not)."""
-  last = max(active_rows, default=0) + 1
+  """The rows a decode round computes: the narrowest power of two (at least `MIN_WIDTH`, at
+  most `rows`) that holds every active row, so a few programs serve every load and idle
+  rows cost little (a row's matmuls cost the same whether it is active or not)."""
+  last = max(MIN_WIDTH, max(active_rows, default=0) + 1)
   return min(1 << (last - 1).bit_length(), rows)
 
 
@@ -233,7 +236,7 @@ def depth_for(pages: int, page_size: int, max_pages: int) -> int:
 
 def widths(rows: int) -> list[int]:
   """Every width `width_for` gives over `rows` rows."""
-  return sorted({min(1 << i, rows) for i in range(rows.bit_length() + 1)})
+  return sorted({width_for([row], rows) for row in range(rows)})
 
 
 def run_returns(params, batch, stop_tokens):

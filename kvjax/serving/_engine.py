@@ -65,6 +65,8 @@ class EngineConfig:
     default the model context.
   steps: decode steps between two scheduling rounds (admissions, releases, cancels).
   queue: requests waiting for memory at most; past it `submit` raises `QueueFull`.
+  compile_ahead: compile the decode round of every width when the engine starts (in the
+    background), not when a load first needs it (a server: yes; a short-lived test: no).
   """
 
   rows: int = 8
@@ -72,6 +74,7 @@ class EngineConfig:
   max_tokens: int | None = None
   steps: int = 4
   queue: int = 64
+  compile_ahead: bool = True
 
   def __post_init__(self):
     for name in ("rows", "kv_memory", "steps", "queue"):
@@ -322,7 +325,7 @@ class Engine:
         (self._params, self.batch, self._stop),
     )
     shallow = _batch.depth_for(0, self.page_size, self.max_pages)  # deeper ones when asked
-    for width in _batch.widths(self.config.rows):
+    for width in _batch.widths(self.config.rows) if self.config.compile_ahead else ():
       compile_ahead(_batch.run, self._statics(width, shallow), *args, returns=_batch.run_returns)
     with self._lock:
       self._running = True

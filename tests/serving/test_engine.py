@@ -48,7 +48,9 @@ def _engine(model, spec, pages, rows=4, queue=64):
   """An engine whose pool holds `pages` pages of `spec`'s page size (float32 K/V)."""
   c = model.config
   kv_memory = pages * 2 * spec.page_size * c.head_dim * 4
-  config = EngineConfig(rows=rows, kv_memory=kv_memory, max_tokens=256, steps=4, queue=queue)
+  config = EngineConfig(
+      rows=rows, kv_memory=kv_memory, max_tokens=256, steps=4, queue=queue, compile_ahead=False
+  )
   return Engine(model, TOK, spec, config).start()
 
 
