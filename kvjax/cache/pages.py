@@ -123,18 +123,19 @@ class PageTable:
     nulls those entries. Returns the table and the freed physical page ids, one per table
     entry (P, out of range, where nothing was freed: for scatters with mode='drop'), at
     which the cache resets what the pages held."""
+    pushed, ids = self._push(self.table.reshape(-1), freed.reshape(-1))
+    return pushed.replace(table=jnp.where(freed, NULL_PAGE, self.table)), ids
+
+  def _push(self, pages: Int[Array, " X"], flag: Bool[Array, " X"]):
+    """The free stack with `pages` where `flag` pushed on it, and the pushed ids (P, out of
+    range, where not flagged)."""
     num_pages = self.free_pages.shape[0]
-    pages = self.table.reshape(-1)
-    flag = freed.reshape(-1)
     dest = jnp.where(flag, self.num_free + jnp.cumsum(flag) - 1, num_pages)
-    return (
-        self.replace(
-            table=jnp.where(freed, NULL_PAGE, self.table),
-            free_pages=self.free_pages.at[dest].set(pages, mode="drop"),
-            num_free=self.num_free + flag.sum(),
-        ),
-        jnp.where(flag, pages, num_pages),
+    pushed = self.replace(
+        free_pages=self.free_pages.at[dest].set(pages, mode="drop"),
+        num_free=self.num_free + flag.sum(),
     )
+    return pushed, jnp.where(flag, pages, num_pages)
 
   def cut(self, length: Int[Array, "L B H"], page_size: int):
     """Every sequence cut back to `length` tokens (at most its own): the pages past it
@@ -164,18 +165,13 @@ class PageTable:
     """Every sequence of row `row` (traced) gives all its pages back and holds no token (a
     finished request's slot). Returns (table, freed page ids [L * H * M]) as `free` does.
     Only the row's entries are read: a release costs one row, not the batch."""
-    num_pages, m = self.free_pages.shape[0], self.table.shape[-1]
     held = pages_for(self.length[:, row], page_size)  # [L, H]
-    flag = (jnp.arange(m) < held[..., None]).reshape(-1)  # [L * H * M]
-    pages = self.table[:, row].reshape(-1)
-    dest = jnp.where(flag, self.num_free + jnp.cumsum(flag) - 1, num_pages)
-    released = self.replace(
-        table=self.table.at[:, row].set(NULL_PAGE),
-        length=self.length.at[:, row].set(0),
-        free_pages=self.free_pages.at[dest].set(pages, mode="drop"),
-        num_free=self.num_free + flag.sum(),
+    owned = jnp.arange(self.table.shape[-1]) < held[..., None]  # [L, H, M]
+    pushed, ids = self._push(self.table[:, row].reshape(-1), owned.reshape(-1))
+    released = pushed.replace(
+        table=self.table.at[:, row].set(NULL_PAGE), length=self.length.at[:, row].set(0)
     )
-    return released, jnp.where(flag, pages, num_pages)
+    return released, ids
 
   def adopt(
       self, row, length: Int[Array, "L H"], page_size: int, max_tokens: int

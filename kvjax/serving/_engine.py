@@ -81,6 +81,8 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+    if not isinstance(self.compile_ahead, bool):
+      raise TypeError(f"EngineConfig.compile_ahead must be a bool, got {self.compile_ahead!r}")
 
 
 @dataclasses.dataclass
@@ -178,7 +180,7 @@ class Engine:
   def _peak_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
     """Pages each sequence [L, H] holds at its peak (`layer_pages`)."""
     kept = np.broadcast_to(np.asarray(kept, np.int64), (self.shape.n_layers, self.shape.n_kv_heads))
-    ps = self.batch.state.cache.config.page_size
+    ps = self.page_size
     grown = kept + max_tokens
     cap = np.where(
         self.windows > 0,

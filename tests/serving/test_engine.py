@@ -202,3 +202,16 @@ def test_a_row_whose_logits_turn_non_finite_while_decoding_fails_alone():
   assert c_good.finished.wait(60) and c_good.tokens == expected
   engine.stop()
   assert engine.stats()["failed"] == 1 and engine.stats()["pages_reserved"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"rows": 0}, ValueError, "EngineConfig.rows must be an int >= 1, got 0"),
+        ({"queue": 2.5}, ValueError, "EngineConfig.queue must be an int >= 1, got 2.5"),
+        ({"compile_ahead": "yes"}, TypeError, "EngineConfig.compile_ahead must be a bool"),
+    ],
+)
+def test_an_engine_config_out_of_range_names_the_field(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    EngineConfig(**kwargs)
