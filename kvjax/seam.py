@@ -126,11 +126,13 @@ def query_heads(model) -> int:
 
 def model_record(model) -> dict:
   """What a saved state or a results file records of its model: its name, the fingerprint
-  of its weights and its `ModelShape`."""
+  of its weights and its `ModelShape`, as JSON reads it back (the windows a list)."""
+  shape = dataclasses.asdict(ModelShape.of(model))
   return {
       "name": getattr(model.config, "name", type(model).__name__),
       "fingerprint": model_fingerprint(model),
-      **dataclasses.asdict(ModelShape.of(model)),
+      **shape,
+      "windows": list(shape["windows"]),
   }
 
 
