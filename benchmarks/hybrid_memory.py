@@ -19,7 +19,6 @@ import json
 import pathlib
 import time
 
-import numpy as np
 
 import kvjax
 import models
@@ -100,7 +99,9 @@ def main(argv=None) -> None:
       row["transformers"] = _transformers(args.model, ids)
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print(f"\n| tokens | all layers (MiB) | kvjax full | kvjax kvzip {args.budget:g} | transformers |")
+  print(
+      f"\n| tokens | all layers (MiB) | kvjax full | kvjax kvzip {args.budget:g} | transformers |"
+  )
   print("|---|---|---|---|---|")
   mib = 2**20
   for row in rows:

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
   sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
@@ -53,47 +52,16 @@ import jax
 import numpy as np
 
 import kvjax
+from benchmarks._peers import (
+    kvjax_decode,
+    kvjax_prefill,
+    load_transformers,
+    torch_generate,
+    torch_prefill_decode,
+)
 from kvjax.eval import default_text
 
 SEQUENCE = (480, 650, 820, 990, 1160, 1330)  # the request sequence's prompt lengths
-
-
-def _kvjax_prefill(model, ids, spec, steps):
-  start = time.perf_counter()
-  state = kvjax.prefill(model, [ids], spec, reserve=steps)
-  jax.block_until_ready(state.logits)
-  return time.perf_counter() - start, state
-
-
-def _kvjax_decode(model, state, steps):
-  _, result = kvjax.decode(model, state, steps)
-  return result.stats["decode_seconds"] / steps
-
-
-def _torch_prefill_decode(ref, ids, steps):
-  import torch
-
-  with torch.no_grad():
-    x = torch.tensor([ids])
-    start = time.perf_counter()
-    # The last token's logits only, as kvjax's prefill (and transformers' generate) computes.
-    out = ref(input_ids=x, use_cache=True, logits_to_keep=1)
-    prefill = time.perf_counter() - start
-    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    start = time.perf_counter()
-    for _ in range(steps):
-      out = ref(input_ids=token, past_key_values=past, use_cache=True)
-      past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    return prefill, (time.perf_counter() - start) / steps
-
-
-def _torch_generate(ref, ids, new_tokens):
-  import torch
-
-  with torch.no_grad():
-    start = time.perf_counter()
-    ref.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-    return time.perf_counter() - start
 
 
 def _llama_cpp(path: pathlib.Path, n_ctx: int, threads: int):
@@ -178,14 +146,9 @@ def main(argv=None):
     os.environ["KVJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-cold-")
   elif args.cache_dir:
     os.environ["KVJAX_CACHE_DIR"] = args.cache_dir
-  warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache renames
-  transformers.logging.set_verbosity_error()
-
   path = resolve_model(args.model).path
   model, tok = load_decoder(args.model)
-  ref = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-  ).eval()
+  ref = load_transformers(path)
   ids = tok.encode(default_text())
   anchor = None
   if args.part != "sequence":
@@ -257,24 +220,24 @@ def _table(args, model, ref, ids, anchor=None):
   for n in args.lengths:
     prompt = ids[:n]
     for spec in (full, compressed):  # compile outside the timed rounds
-      _, state = _kvjax_prefill(model, prompt, spec, args.decode_steps)
-      _kvjax_decode(model, state, args.decode_steps)
-    _torch_prefill_decode(ref, prompt[:64], 2)
+      _, state = kvjax_prefill(model, prompt, spec, args.decode_steps)
+      kvjax_decode(model, state, args.decode_steps)
+    torch_prefill_decode(ref, prompt[:64], 2)
     if anchor is not None:
       _llama_cpp_prefill_decode(anchor, prompt, 2)
     names = ("full_p", "comp_p", "torch_p", "full_d", "comp_d", "torch_d", "cpp_p", "cpp_d")
     times = {k: [] for k in names}
     for _ in range(args.repeats):
-      seconds, state = _kvjax_prefill(model, prompt, full, args.decode_steps)
+      seconds, state = kvjax_prefill(model, prompt, full, args.decode_steps)
       times["full_p"].append(seconds)
-      times["full_d"].append(_kvjax_decode(model, state, args.decode_steps))
+      times["full_d"].append(kvjax_decode(model, state, args.decode_steps))
       del state
-      prefill, decode = _torch_prefill_decode(ref, prompt, args.decode_steps)
+      prefill, decode = torch_prefill_decode(ref, prompt, args.decode_steps)
       times["torch_p"].append(prefill)
       times["torch_d"].append(decode)
-      seconds, state = _kvjax_prefill(model, prompt, compressed, args.decode_steps)
+      seconds, state = kvjax_prefill(model, prompt, compressed, args.decode_steps)
       times["comp_p"].append(seconds)
-      times["comp_d"].append(_kvjax_decode(model, state, args.decode_steps))
+      times["comp_d"].append(kvjax_decode(model, state, args.decode_steps))
       del state
       if anchor is not None:
         prefill, decode = _llama_cpp_prefill_decode(anchor, prompt, args.decode_steps)
@@ -332,7 +295,7 @@ def _sequence(args, model, tok, ref, ids):
       compiles += result.stats["compiles"]
       loaded += result.stats["loaded"]
       compiling += result.stats["compile_seconds"]
-      theirs.append(_torch_generate(ref, prompt, args.new_tokens))
+      theirs.append(torch_generate(ref, prompt, args.new_tokens))
     print(
         f"| {name} | {sum(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}) "
         f"| {compiles} ({loaded}; {compiling:.1f}) "

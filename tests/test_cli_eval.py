@@ -21,7 +21,8 @@ def _run(tmp_path, capsys, *argv):
 @pytest.mark.parametrize(
     "argv, metric",
     [
-        (["eval", "fidelity"], "kl"),
+        # fidelity through the API: test_eval; the CLI's writing of results: retention below
+        pytest.param(["eval", "fidelity"], "kl", marks=pytest.mark.slow),
         pytest.param(["eval", "passkey"], "accuracy", marks=pytest.mark.slow),
         pytest.param(["eval", "multi-question"], "questions", marks=pytest.mark.slow),
         # perplexity runs through the CLI in test_user_data_text_and_jsonl (slow)

@@ -441,6 +441,7 @@ def test_sweep_results_follow_the_schema_and_crashed_configs_are_rows(sweep, mon
   assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
+@pytest.mark.slow  # a question task's sweep: passkey's runs by default
 def test_multi_question_sweep_reports_questions_and_the_full_cache_accuracy(sweep, tmp_path):
   options = {"facts": 4, "trials": 1}
   results = sweep("multi_question", ["full", "h2o"], [0.5], [200], options=options)
@@ -522,6 +523,7 @@ def test_data_files_fail_clearly(tmp_path, name, content, fields, match):
     _data.read_text(path) if fields is None else _data.read_jsonl(path, fields)
 
 
+@pytest.mark.slow  # tests/test_tune.py writes and loads allocations by default
 def test_a_sweep_records_the_head_allocation_its_rows_used(model, sweep):
   """--spec tuned.json with an allocation: the results say so (it applies to its policy)."""
   shape = (model.config.n_layers, model.config.n_kv_heads)

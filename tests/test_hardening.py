@@ -92,6 +92,7 @@ def test_streaming_generate_matches_the_final_text_on_random_bytes():
     assert streamed == generation.result.texts[row]
 
 
+@pytest.mark.slow  # two real CLI runs; the streamed text's pieces are checked in-process above
 def test_cli_streams_non_ascii_text_exactly_as_json_gives_it():
   prompt = "Écris une phrase en français avec des accents, puis 日本語 et un emoji 🎉."
   args = ("generate", prompt, "--max-new-tokens", "24")

@@ -120,6 +120,7 @@ def test_threshold_keeps_exactly_the_tokens_above_it_and_the_protected(tiny, tra
   assert len(set(kept_counts)) > 1  # the kept fraction differs per head
 
 
+@pytest.mark.slow  # the threshold mode through a sweep; the threshold itself is tested above
 def test_a_threshold_sweep_reports_the_fraction_kept(tiny, trained, tmp_path):
   from kvjax import eval as E
 

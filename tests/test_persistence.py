@@ -144,6 +144,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a second process; a state loaded in this one equals the saved one (above)
 def test_a_state_saved_here_continues_identically_in_another_process(model, states, tmp_path):
   expected = {}
   for name, state in states.items():

@@ -139,6 +139,7 @@ def test_the_soft_mask_keeps_the_budget_in_expectation(calibration):
     assert bool((keep[fixed] == 1.0).all())  # sink, recent and marked tokens always kept
 
 
+@pytest.mark.slow  # its own gradient compile; learning that lowers the loss needs one too
 def test_the_relaxed_loss_has_a_finite_nonzero_gradient(model, calibration):
   spec = kvjax.CompressionSpec(policy="kvzip", budget=0.2)
   batch = _search.make_batch(calibration, spec, np.arange(2))
