@@ -446,11 +446,13 @@ class CompressionSpec:
     dtype = self.kv_dtype or shape.dtype
     capacity = capacity_bucket(longest + reserve, ps, shape.max_context)
     # 512-token chunks run ~9% faster per token than 256 (larger matmuls) but pad the last
-    # chunk by 128 tokens more on average: worth it past 2048 tokens, and only without
-    # eviction (which runs after each chunk). The chunk follows the capacity bucket, so a
+    # chunk by 128 tokens more on average: worth it past 2048 tokens, and only where nothing
+    # is evicted while the prompt is read (a running policy evicts after each chunk; a
+    # compress-once policy after the whole context). The chunk follows the capacity bucket, so a
     # bucket keeps one set of compiled steps; short prompts need no full-size chunk, and
     # powers of two bound the number of compilations.
-    chunk = self.prefill_chunk or (512 if not self.evicts and capacity > 2048 else 256)
+    long_chunks = (not self.evicts or self.once) and capacity > 2048
+    chunk = self.prefill_chunk or (512 if long_chunks else 256)
     chunk = min(chunk, 1 << (max(longest, 1) - 1).bit_length())
     windows = shape.windows  # sliding layers hold their window, whatever the policy
     if not self.evicts:

@@ -42,6 +42,21 @@ def test_short_prompts_compile_their_prefill_chunk_only():
   assert counts == [2, 1, 1, 0], counts
 
 
+@pytest.mark.parametrize(
+    "spec, chunk",
+    [
+        (kvjax.CompressionSpec(), 512),
+        (kvjax.CompressionSpec("kvzip", budget=0.25), 512),  # evicts once, after the context
+        (kvjax.CompressionSpec("h2o", budget=256), 256),  # evicts after every chunk
+        (kvjax.CompressionSpec(prefill_chunk=128), 128),
+    ],
+)
+def test_prompts_past_2048_tokens_read_in_512_token_chunks_unless_evicting_while_read(spec, chunk):
+  shape = kvjax.seam.ModelShape.of(tiny_llama(max_context=8192))
+  assert spec.plan(shape, batch=1, longest=3000, reserve=64).chunk == chunk
+  assert spec.plan(shape, batch=1, longest=1000, reserve=64).chunk == min(chunk, 256)
+
+
 def test_contexts_compressed_once_share_one_pool_size_and_compile_once():
   """Every request of a plan compressed once (kvzip: kv heads and layers keep different
   counts) gets the pool its budget bounds, not an exact fit: the second and later
