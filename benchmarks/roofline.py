@@ -381,11 +381,13 @@ def main(argv=None):
               _decode_rows(model, ids[:n], args.decode_steps, ref, args.repeats),
           )
       )
-  limits = before
+  limits, after = before, None
   if not args.limits_only:
-    limits = _better(before, machine_limits(costs, rows, max(args.repeats, 5)))
+    after = machine_limits(costs, rows, max(args.repeats, 5))
+    limits = _better(before, after)
 
   out = _report(args, config, costs, limits, measured, chunk, threads)
+  out["limits_before_and_after"] = [before, after]  # how far the machine drifted meanwhile
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
   return out
