@@ -21,9 +21,7 @@ import argparse
 import functools
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 if not __package__:  # `python benchmarks/NAME.py`: import from the repository root, as -m does
   sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
@@ -33,6 +31,7 @@ import jax.numpy as jnp
 
 from benchmarks._common import print_table
 from pallas_kernels import page_format
+from pallas_kernels.gpu_check import median_seconds
 from pallas_kernels.paged_attention import paged_attention
 
 # Nominal HBM bandwidth (bytes/s) by `device_kind`, from the vendors' data sheets; the
@@ -49,16 +48,6 @@ NOMINAL_BANDWIDTH = {
     "TPU v5p": 2.76e12,
     "TPU v6 lite": 1.64e12,
 }
-
-
-def median_seconds(fn, *args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def streaming_read(nbytes: int, iters: int) -> float:

@@ -48,6 +48,7 @@ from benchmarks._common import print_table
 from benchmarks._peers import kvjax_decode, kvjax_prefill, load_transformers
 from benchmarks._peers import torch_prefill_decode
 from kvjax.eval import default_text
+from pallas_kernels.gpu_check import median_seconds
 
 STREAM_BYTES = 256 << 20  # well past any CPU's last-level cache
 
@@ -111,16 +112,6 @@ class ModelCosts:
     }
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  fn()  # warm: compile, allocate
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 5, torch_too=True) -> dict:
   """FLOP/s of float32 matmuls [m, k] @ [k, n] summed over `shapes` (with repeats), in jax
   and in torch (`torch_too` and installed): each library's total FLOPs over its summed
@@ -136,7 +127,7 @@ def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 5, torch_too=
   for (m, k, n), times in counts.items():
     a = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
     b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
-    seconds += times * _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+    seconds += times * median_seconds(dot, a, b, iters=repeats)
   rates["jax"] = flops / seconds
   try:
     import torch
@@ -148,7 +139,7 @@ def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 5, torch_too=
   with torch.no_grad():
     for (m, k, n), times in counts.items():
       a, b = torch.randn(m, k), torch.randn(k, n)
-      seconds += times * _median_seconds(lambda: torch.mm(a, b), repeats)
+      seconds += times * median_seconds(torch.mm, a, b, iters=repeats)
   rates["torch"] = flops / seconds
   return rates
 
@@ -159,7 +150,7 @@ def stream_bandwidth(repeats: int = 5, torch_too=True) -> dict:
   n = STREAM_BYTES // 4
   x = jnp.ones((n,), jnp.float32)
   total = jax.jit(jnp.sum)
-  rates = {"jax": STREAM_BYTES / _median_seconds(lambda: total(x).block_until_ready(), repeats)}
+  rates = {"jax": STREAM_BYTES / median_seconds(total, x, iters=repeats)}
   try:
     import torch
   except ImportError:
@@ -167,7 +158,7 @@ def stream_bandwidth(repeats: int = 5, torch_too=True) -> dict:
   if not torch_too:
     return rates
   y = torch.ones(n)
-  rates["torch"] = STREAM_BYTES / _median_seconds(lambda: y.sum(), repeats)
+  rates["torch"] = STREAM_BYTES / median_seconds(torch.sum, y, iters=repeats)
   return rates
 
 

@@ -54,7 +54,10 @@ def run_tests(interpret: bool, extra: list[str]) -> int:
   return rc
 
 
-def _median_seconds(fn, args, iters: int) -> float:
+def median_seconds(fn, *args, iters: int) -> float:
+  """Median wall time of `fn(*args)` over `iters` calls after a warm-up call (compile,
+  allocate); results are waited for (`jax.block_until_ready`). The benchmarks time with it
+  too."""
   import jax
 
   jax.block_until_ready(fn(*args))  # compile + warm up
@@ -140,14 +143,14 @@ def benchmark(args) -> list[dict]:
       else:
         ref = jax.jit(functools.partial(fn, impl="ref", **kw))
       row = dict(op=name, tokens=tokens, bytes=nbytes)
-      row["ref_s"] = _median_seconds(ref, op_args, args.iters)
+      row["ref_s"] = median_seconds(ref, *op_args, iters=args.iters)
       kernel_runs = kernel is not None or backend == "tpu" or args.dry_run
       if kernel is not None:
-        row["kernel_s"] = _median_seconds(jax.jit(kernel), op_args, args.iters)
+        row["kernel_s"] = median_seconds(jax.jit(kernel), *op_args, iters=args.iters)
       elif kernel_runs:
         kfn = functools.partial(fn, impl="pallas", interpret=interpret, **kw)
         kern = jax.jit(kfn, static_argnums=1) if name == "group_importance" else jax.jit(kfn)
-        row["kernel_s"] = _median_seconds(kern, op_args, args.iters)
+        row["kernel_s"] = median_seconds(kern, *op_args, iters=args.iters)
       rows.append(row)
       print(_format_row(row, kernel_runs, backend), flush=True)
   return rows
