@@ -43,7 +43,7 @@ from kvjax.cache.paged_cache import PagedKVCache, append_layer
 from kvjax.fingerprint import model_fingerprint
 from kvjax.policies import AttentionStats, Policy
 from kvjax.sharding import DATA, MODEL, on_shards
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import paged_attention, paged_attention_key_max
 
 __all__ = [
     "ModelShape",
@@ -140,7 +140,8 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
   """One layer's attention over the paged cache, run per shard: append the new K/V, attend
   (returning what the policy reads), and let the policy observe."""
   per_head = "head_probs" in reads
-  want_lse = "lse" in reads
+  want_key_max = "key_max" in reads
+  want_lse = "lse" in reads or want_key_max
   want_probs = "probs" in reads or per_head
 
   def attend_here(cache, q, k, v, positions, num_new, protected, segment, layer, *gram):
@@ -167,6 +168,12 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
       if per_head:  # [B, Hq, T, N] -> summed per kv head
         probs = probs.reshape(q.shape[0], cache.num_kv_heads, -1, *probs.shape[2:]).sum(axis=2)
       lse = lse[0] if lse else None
+      key_max = None
+      if want_key_max:  # from the lse of the attention just run: one more QK^T per block
+        key_max = paged_attention_key_max(
+            q, cache.k_pages, cache.page_table[layer], cache.length[layer], num_new, lse,
+            window=window,
+        )  # fmt: skip
       stats = AttentionStats(
           layer if cache.mesh is None else jnp.asarray(layer),
           q,
@@ -179,6 +186,7 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
           positions=positions,
           rotate=getattr(model, "rotate", None),
           head_output=gram[0] if gram else None,
+          key_max=key_max,
       )
       cache = policy.observe(cache, stats)
     return cache, out

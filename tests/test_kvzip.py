@@ -21,28 +21,31 @@ def tiny():
   return tiny_llama(max_context=1024, n_layers=2), ByteTokenizer()
 
 
-def test_score_is_the_largest_attention_from_any_query_head_of_the_kv_head():
+def test_score_is_the_largest_attention_any_pass_pays_each_key():
+  """A pass hands KVzip attention's `key_max` (the most any live query of a kv head's
+  query heads pays each key; tests/test_paged_attention.py checks it against the
+  per-head probabilities); the score keeps the largest over the passes."""
   cfg = kvjax.CacheConfig(page_size=4, max_tokens=16, budget=4, sink=0, recent=0, group_size=1)
   cache = kvjax.init_cache(cfg, 1, 1, 2, 4, chunk=8, slots=policies.KVzip.slots)
   k = jnp.zeros((1, 1, 8, 2, 4))
   cache = kvjax.append(cache, k, k, jnp.arange(8)[None])
-  head_probs = np.zeros((1, 4, 3, 16), np.float32)  # query heads 0, 1 -> kv 0; 2, 3 -> kv 1
-  head_probs[0, 0, 0, 2] = 0.3
-  head_probs[0, 1, 1, 2] = 0.6  # the larger of two heads' attention to token 2
-  head_probs[0, 2, 0, 5] = 0.2
-  head_probs[0, 3, 2, 5] = 0.9  # query 2 is padding (num_new = 2): ignored
-  stats = AttentionStats(
-      layer=jnp.int32(0),
-      q=jnp.zeros((1, 3, 4, 4)),
-      out=jnp.zeros((1, 3, 4, 4)),
-      probs=jnp.asarray(head_probs.reshape(1, 2, 2, 3, 16).sum(2)),
-      head_probs=jnp.asarray(head_probs),
-      num_new=jnp.array([2], jnp.int32),
-  )
-  cache = policies.KVzip().observe(cache, stats)
+  assert policies.KVzip.reads == {"key_max"}  # the probabilities are never asked for
+  for key_max in ([[0.3, 0.0], [0.0, 0.2]], [[0.6, 0.1], [0.0, 0.1]]):  # two passes
+    peak = np.zeros((1, 2, 16), np.float32)
+    peak[0, :, 2], peak[0, :, 5] = np.asarray(key_max).T
+    stats = AttentionStats(
+        layer=jnp.int32(0),
+        q=jnp.zeros((1, 3, 4, 4)),
+        out=jnp.zeros((1, 3, 4, 4)),
+        probs=None,
+        head_probs=None,
+        num_new=jnp.array([2], jnp.int32),
+        key_max=jnp.asarray(peak),
+    )
+    cache = policies.KVzip().observe(cache, stats)
   score = np.asarray(kvjax.logical_view(cache, cache.slot("score")))[0, 0]  # [H, N]
   expected = np.zeros((2, 16), np.float32)
-  expected[0, 2], expected[1, 5] = 0.6, 0.2
+  expected[0, 2], expected[0, 5], expected[1, 5] = 0.6, 0.1, 0.2
   np.testing.assert_allclose(score, expected)
 
 
@@ -174,7 +177,9 @@ def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_stretch(tiny, lookba
   long, short = tokenizer.encode(CONTEXT)[:200], tokenizer.encode(CONTEXT)[:50]
   policy = _SecondSpanOnly(chunk=64, lookback=lookback)
   spec = kvjax.CompressionSpec(policy=policy, budget=0.5, sink=4, recent=8)
-  scores, valid = kvjax.runtime.session.context_scores(model, [long, short], spec, tokenizer=tokenizer)
+  scores, valid = kvjax.runtime.session.context_scores(
+      model, [long, short], spec, tokenizer=tokenizer
+  )
   # The table is back as it was: every context token live, nothing past it.
   np.testing.assert_array_equal(valid[:, 0].sum(-1), 200)
   np.testing.assert_array_equal(valid[:, 1].sum(-1), 50)

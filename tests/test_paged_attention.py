@@ -253,6 +253,56 @@ def test_live_blocks_match_the_reference_with_nan_poisoned_pool(
   np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def _key_max_cases():
+  """Layouts x windows x block sizes; one of each by default, the product under -m slow."""
+  cases = []
+  for i, (ps, g, lengths, t, window, bt) in enumerate(
+      itertools.product((1, 4), (1, 3), ([3, 9], [13, 1, 8]), (1, 3), (0, 5), (4, 256))
+  ):
+    marks = () if i % 11 == 0 else (pytest.mark.slow,)
+    cases.append(pytest.param(ps, g, lengths, t, window, bt, marks=marks))
+  return cases
+
+
+@pytest.mark.parametrize("page_size, group, lengths, t, window, block_tokens", _key_max_cases())
+def test_key_max_is_the_largest_probability_a_kv_heads_live_queries_pay(
+    page_size, group, lengths, t, window, block_tokens
+):
+  """Exactly the max, over each kv head's query heads and its live queries, of the
+  reference's per-head probabilities; NaN in every page a sequence does not own never
+  reaches it; padding queries (a row with fewer) pay nothing."""
+  from pallas_kernels.paged_attention import (
+      paged_attention_key_max,
+      paged_attention_live_blocks,
+  )
+
+  rng = np.random.default_rng(page_size * 1000 + group * 100 + sum(lengths) + t + window)
+  hkv = 2
+  q, k_pages, v_pages, table, lens, _, _ = _paged_problem(rng, page_size, hkv, group, lengths, t)
+  num_queries = np.minimum(np.full(len(lengths), t), np.asarray(lengths)).astype(np.int32)
+  num_queries[-1] = 1  # a row with padding queries when t > 1
+  args = tuple(map(jnp.asarray, (q, k_pages, v_pages, table, lens, num_queries)))
+  _, lse = paged_attention_live_blocks(*args, window=window)
+  key_max = jax.jit(paged_attention_key_max, static_argnames="block_tokens")(
+      args[0], args[1], args[3], args[4], args[5], lse, block_tokens=block_tokens, window=window
+  )
+  _, probs = paged_attention_reference(*args, per_query_head=True, window=window)
+  b, hq, tt, n = probs.shape
+  live = (np.arange(tt)[None, :] < num_queries[:, None])[:, None, :, None]
+  expected = np.where(live, np.asarray(probs), 0.0).reshape(b, hkv, group * tt, n).max(axis=2)
+  assert key_max.shape == (b, hkv, n) and not np.isnan(np.asarray(key_max)).any()
+  np.testing.assert_allclose(key_max, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_key_max_checks_the_lse_shape():
+  from pallas_kernels.paged_attention import paged_attention_key_max
+
+  q, k_pages = np.zeros((1, 2, 4, 8), np.float32), np.zeros((3, 4, 8), np.float32)
+  table, lengths = np.ones((1, 2, 2), np.int32), np.full((1, 2), 4, np.int32)
+  with pytest.raises(ValueError, match=r"lse must be \[B, T, Hq\] = \(1, 2, 4\), got \(1, 4\)"):
+    paged_attention_key_max(q, k_pages, table, lengths, None, np.zeros((1, 4), np.float32))
+
+
 def test_live_blocks_read_only_live_blocks():
   """The loop's trip count is the live blocks: NaN in every block past the longest
   sequence (even in pages the table points at) never reaches the output."""
@@ -298,7 +348,11 @@ def test_live_blocks_reject_bad_arguments(change, match):
 # products in interpret mode); one page a token and 16-token pages under -m slow.
 @pytest.mark.parametrize(
     "page_size, group",
-    [pytest.param(1, 1, marks=pytest.mark.slow), (4, 3), pytest.param(16, 3, marks=pytest.mark.slow)],
+    [
+        pytest.param(1, 1, marks=pytest.mark.slow),
+        (4, 3),
+        pytest.param(16, 3, marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize(
     "lengths",  # under the narrowest prefix .. the whole table (-m slow; ~18 s each)

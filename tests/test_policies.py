@@ -173,6 +173,8 @@ def _stats(cache, probs, head_probs=None, out=None):
   d = cache.head_dim
   out = jnp.zeros((1, t, hq, d)) if out is None else jnp.asarray(out, jnp.float32)[None]
   length = int(cache.length.max())
+  per_head = probs if head_probs is None else jnp.asarray(head_probs, jnp.float32)[None]
+  key_max = per_head.reshape(1, hkv, -1, per_head.shape[-1]).max(axis=2)  # [1, Hkv, N]
   return AttentionStats(
       layer=jnp.int32(0),
       q=jnp.zeros((1, t, hq, d)),
@@ -183,6 +185,7 @@ def _stats(cache, probs, head_probs=None, out=None):
       positions=jnp.arange(length - t, length)[None],
       rotate=lambda x, positions: x,
       head_output=jnp.broadcast_to(jnp.eye(d), (hq, d, d)),  # an output projection W_O = I
+      key_max=key_max,
   )
 
 
@@ -799,9 +802,11 @@ def test_only_policies_that_read_the_probabilities_get_them():
       "tova",
       "snapkv",
       "info_aware",
-      "kvzip",
       "kvzip_plus",
   }
+  # KVzip reduces the per-head probabilities to a max per key: attention computes that
+  # instead of materialising them.
+  assert policies.KVzip.reads == {"key_max"}
 
   class Custom(policies.Policy):  # a user's observe reads whatever stats hold
 

@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from kvjax.cache.paged_cache import PagedKVCache, Slot, logical_view, valid_mask
 from kvjax.cache.pages import token_slots
 
-READS = frozenset({"probs", "head_probs", "lse", "logits", "head_output"})
+READS = frozenset({"probs", "head_probs", "key_max", "lse", "logits", "head_output"})
 MODES = ("running", "once")
 GRANULARITIES = ("token", "page")
 
@@ -63,6 +63,9 @@ class AttentionStats:
   # the optional seam method `model.head_output_gram(layer)`, when the policy reads
   # "head_output".
   head_output: Float[Array, "Hq D D"] | None = None
+  # The most attention any live query of each kv head's query heads pays each slot (reads
+  # "key_max"): what `head_probs` reduce to for a max, without materialising them.
+  key_max: Float[Array, "B Hkv N"] | None = None
 
 
 SCORE = Slot("score", "float32", 0.0)  # a policy's running per-token score

@@ -34,7 +34,7 @@ class KVzip(Policy):
 
   name: ClassVar[str] = "kvzip"
   slots: ClassVar[tuple[Slot, ...]] = (SCORE,)
-  reads: ClassVar[frozenset[str]] = frozenset({"head_probs"})
+  reads: ClassVar[frozenset[str]] = frozenset({"key_max"})
   mode: ClassVar[str] = "once"
   chunk: int = 512  # context tokens repeated per reconstruction pass
   attend_to: str = "chunk"  # "chunk" (the sink and the chunk's own span) or "context"
@@ -117,17 +117,13 @@ class KVzip(Policy):
     return state.replace(logits=logits, position=position)
 
   def observe(self, cache, stats):
-    # stats.head_probs: [B, Hq, T, N]; padded queries (t >= num_new) count for nothing.
-    b, hq, t, n = stats.head_probs.shape
-    live = (jnp.arange(t) < stats.num_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
-    probs = jnp.where(live, self.weigh(cache, stats), 0.0)
-    peak = probs.reshape(b, cache.num_kv_heads, hq // cache.num_kv_heads * t, n).max(axis=2)
     current = read_layer(cache, "score", stats.layer)
-    return write_layer(cache, "score", stats.layer, jnp.maximum(current, peak))
+    return write_layer(cache, "score", stats.layer, jnp.maximum(current, self.peak(cache, stats)))
 
-  def weigh(self, cache, stats) -> Float[Array, "B Hq T N"]:
-    """What each query pays each key: its attention probability."""
-    return stats.head_probs
+  def peak(self, cache, stats) -> Float[Array, "B Hkv N"]:
+    """The most any repeating query of a kv head pays each key in this pass: attention's
+    `key_max` (the per-head probabilities are never materialised)."""
+    return stats.key_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +143,14 @@ class KVzipPlus(KVzip):
         self, model, "head_output_gram(layer)", "weighs values by the output projection"
     )
 
-  def weigh(self, cache, stats):
-    hq, hkv = stats.head_probs.shape[1], cache.num_kv_heads
+  def peak(self, cache, stats):
+    # stats.head_probs: [B, Hq, T, N]; padded queries (t >= num_new) count for nothing.
+    b, hq, t, n = stats.head_probs.shape
+    hkv = cache.num_kv_heads
     values = jnp.repeat(logical_view(cache, cache.v_pages, stats.layer), hq // hkv, axis=1)
     # ||W_O^h v_n||^2 = v_n . G_h v_n, [B, Hq, N]; the clip absorbs rounding below zero.
     energy = jnp.einsum("bhnd,hde,bhne->bhn", values, stats.head_output, values)
-    return stats.head_probs * jnp.sqrt(jnp.maximum(energy, 0.0))[:, :, None, :]
+    weighed = stats.head_probs * jnp.sqrt(jnp.maximum(energy, 0.0))[:, :, None, :]
+    live = (jnp.arange(t) < stats.num_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    weighed = jnp.where(live, weighed, 0.0)
+    return weighed.reshape(b, hkv, hq // hkv * t, n).max(axis=2)
