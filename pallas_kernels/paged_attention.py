@@ -309,10 +309,10 @@ def paged_attention_key_max(
   (any path's `return_lse`), one more QK^T per block of the live blocks, a max over the
   query rows, and one [B, Hkv, N] result. Exactly the max of `paged_attention(...,
   per_query_head=True)`'s probabilities over each kv head's query heads and live queries
-  (up to rounding); on CPU about 0.6x the time of the reference's probabilities plus that
-  reduction. A jnp loop (no Pallas kernel): XLA fuses the mask, the subtraction and the
-  max into the matmul's consumer on every backend. Unused slots may hold NaN: they are
-  masked before the max; a visible NaN stays NaN."""
+  (up to rounding). One layer timed alone on CPU: 0.6x the time of the reference's
+  probabilities plus that reduction; in a whole KVzip prefill, within noise (design.md).
+  A jnp loop, no Pallas kernel: it runs wherever XLA does. Unused slots may hold NaN:
+  they are masked before the max; a visible NaN stays NaN."""
   validate_paged_attention_args(q, k_pages, k_pages, page_table, lengths, num_queries)
   q, page_table, lengths, lse = map(jnp.asarray, (q, page_table, lengths, lse))
   b, t, hq, d = q.shape
@@ -336,7 +336,7 @@ def paged_attention_key_max(
     slot = j * width + jnp.arange(width)
     visible = (slot < limit[..., None]) & (slot >= floor[..., None])
     peak = jnp.where(visible, logits - lse_rows[..., None], _NEG_INF).max(axis=2)
-    # exp(-inf) = 0 where no query sees a slot (padding queries see none: limit 0).
+    # exp(-1e30) = 0 where no query sees a slot (padding queries see none: limit 0).
     return jax.lax.dynamic_update_slice_in_dim(key_max, jnp.exp(peak), j * width, axis=2)
 
   key_max = jnp.zeros((b, hkv, blocks * width), jnp.float32)
