@@ -63,7 +63,9 @@ def _random_allocation(model, policy, seed=1):
 
 
 @pytest.mark.slow  # ~22 s: -m slow
-@pytest.mark.parametrize("policy", ["kvzip", pytest.param("expected_attention", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "policy", ["kvzip", pytest.param("expected_attention", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("allocated", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("budget", [0.2, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_hard_evaluation_equals_the_real_pipeline(
@@ -471,3 +473,14 @@ def test_tune_rejects_bad_arguments_before_any_work(model, tokenizer, kwargs, er
 def test_a_bad_allocation_is_refused(offsets, scale, message):
   with pytest.raises(ValueError, match=message):
     HeadAllocation(offsets, "kvzip", True, scale, "tiny", "x")
+
+
+def test_a_model_with_sliding_window_layers_is_refused_in_one_line():
+  """The relaxation attends to every context token on every layer: on a hybrid model it
+  would tune another model, so the tuner refuses before any work."""
+  from kvjax.testing import tiny_gemma3
+
+  with pytest.raises(
+      ValueError, match=r"does not model sliding-window layers yet: this model has \d+ of \d+"
+  ):
+    tune(tiny_gemma3(window=8, max_context=256), ByteTokenizer(), text="abc " * 100)
