@@ -45,6 +45,7 @@ import numpy as np
 
 import kvjax
 from benchmarks._common import print_table
+from benchmarks.decode_attention import streaming_read
 from benchmarks._peers import kvjax_decode, kvjax_prefill, load_transformers
 from benchmarks._peers import torch_prefill_decode
 from kvjax.eval import default_text
@@ -147,17 +148,14 @@ def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 5, torch_too=
 def stream_bandwidth(repeats: int = 5, torch_too=True) -> dict:
   """Bytes/s of a streaming read (a sum) of a STREAM_BYTES float32 array, jax and torch
   (`torch_too` and installed)."""
-  n = STREAM_BYTES // 4
-  x = jnp.ones((n,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  rates = {"jax": STREAM_BYTES / median_seconds(total, x, iters=repeats)}
+  rates = {"jax": streaming_read(STREAM_BYTES, repeats)}
   try:
     import torch
   except ImportError:
     torch_too = False
   if not torch_too:
     return rates
-  y = torch.ones(n)
+  y = torch.ones(STREAM_BYTES // 4)
   rates["torch"] = STREAM_BYTES / median_seconds(torch.sum, y, iters=repeats)
   return rates
 
