@@ -271,3 +271,35 @@ def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
     Scorer.load(path)
   with pytest.raises(ValueError, match="non-finite"):
     kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(path))
+
+
+def test_a_scorer_trains_on_a_model_with_sliding_layers(tmp_path):
+  """Gemma 3's pattern: the scorer learns the full layers' kvzip ranking from the hidden
+  states the model really has (its sliding layers attend within their windows: the scores
+  `learned` gives when it compresses are the trained map of those states); a sliding layer,
+  which no policy ranks, keeps zero weights."""
+  from kvjax.testing import tiny_gemma3
+
+  model, tokenizer = tiny_gemma3(window=24, n_layers=3, max_context=1024), ByteTokenizer()
+  ids = tokenizer.encode(TEXT)
+  scorer = training.train_scorer(
+      model,
+      tokenizer,
+      ids,
+      model_name="tiny-gemma3",
+      context_tokens=128,
+      windows=4,
+      steps=150,
+      progress=False,
+  )
+  full = training.full_layers(model)
+  assert full.tolist() == [False, False, True]
+  assert (scorer.weight[~full] == 0).all() and (scorer.bias[~full] == 0).all()
+  assert scorer.metrics["r2"] > 0.2 and scorer.metrics["top25_overlap"] > 0.25
+  path = scorer.save(tmp_path / "gemma")
+  window = ids[:128]
+  spec = kvjax.CompressionSpec(policy="learned", budget=0.5, scorer=str(path), sink=4)
+  scores, _ = context_scores(model, [window], spec, tokenizer=tokenizer)
+  features, _ = training.training_pairs(model, tokenizer, window, sink=4)
+  expected = np.asarray(scorer.predict(jnp.asarray(features[2]), 2))  # [T', H]
+  np.testing.assert_allclose(scores[2, 0, :, 4:128].T, expected, rtol=1e-4, atol=1e-4)

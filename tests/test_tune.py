@@ -475,12 +475,73 @@ def test_a_bad_allocation_is_refused(offsets, scale, message):
     HeadAllocation(offsets, "kvzip", True, scale, "tiny", "x")
 
 
-def test_a_model_with_sliding_window_layers_is_refused_in_one_line():
-  """The relaxation attends to every context token on every layer: on a hybrid model it
-  would tune another model, so the tuner refuses before any work."""
+# ---- a model with sliding-window layers (Gemma 3's pattern) -----------------------------
+
+WINDOW = 24  # under the 96-token contexts: a sliding layer's continuation sees a part
+
+
+@pytest.fixture(scope="module")
+def hybrid():
   from kvjax.testing import tiny_gemma3
 
-  with pytest.raises(
-      ValueError, match=r"does not model sliding-window layers yet: this model has \d+ of \d+"
-  ):
-    tune(tiny_gemma3(window=8, max_context=256), ByteTokenizer(), text="abc " * 100)
+  return tiny_gemma3(window=WINDOW, n_layers=3, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def hybrid_calibration(hybrid, tokenizer):
+  ids = np.random.default_rng(1).integers(3, 250, 800).tolist()
+  items = _workload.text_items(
+      tokenizer, ids, context_tokens=CONTEXT, continuation_tokens=CONTINUATION, max_items=4
+  )
+  return _search.calibrate(hybrid, tokenizer, items, ["kvzip"])
+
+
+def test_the_full_cache_reference_of_a_hybrid_model_is_the_model_itself(hybrid, hybrid_calibration):
+  """The teacher's sliding layers see only their windows: its predictions are the real
+  full cache's (kvjax.eval, whose paged attention masks the window), and not those of
+  the same weights attending to the whole context everywhere."""
+  item = hybrid_calibration.items[0]
+  spec = kvjax.CompressionSpec()
+  real, _ = kvjax.eval.continuation_logits(hybrid, list(item.ids), list(item.continuation), spec)
+  real = jax.nn.log_softmax(jnp.asarray(real[1:], jnp.float32), -1)
+  teacher = hybrid_calibration.teacher[0, : real.shape[0]]
+  np.testing.assert_allclose(teacher, real, atol=2e-4)
+  windowless = dataclasses.replace(
+      _search.make_batch(hybrid_calibration, spec, np.asarray([0])),
+      window=jnp.zeros(3, jnp.int32),
+  )
+  graphdef, params = nnx.split(hybrid)
+  everywhere = _relax.teacher_logprobs(graphdef, params, windowless, num_layers=3, num_heads=2)
+  assert np.abs(np.asarray(everywhere[0, : real.shape[0]]) - np.asarray(real)).max() > 1e-2
+
+
+@pytest.mark.parametrize("allocated", [False, True])
+def test_hard_evaluation_of_a_hybrid_model_equals_the_real_pipeline(
+    hybrid, tokenizer, hybrid_calibration, allocated
+):
+  """On a model with sliding layers the masks rank and budget the full layers only (the
+  sliding ones hold their windows): same KL, kept share and bytes as prefill + compression
+  + the continuation teacher-forced."""
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25)
+  if allocated:
+    spec = spec.replace(allocation=_random_allocation(hybrid, "kvzip"))
+  measured = _search.evaluate_once(hybrid, hybrid_calibration, spec)
+  t = CONTINUATION
+  for i, item in enumerate(hybrid_calibration.items):
+    real = fidelity(hybrid, list(item.ids), list(item.continuation), spec, tokenizer=tokenizer)
+    assert real["kl"] > 1e-4  # the budget evicts what the continuation reads
+    np.testing.assert_allclose(measured.kl_items[i], real["kl"] * t / (t - 1), rtol=2e-3, atol=1e-6)
+  assert measured.kept_fraction == pytest.approx(real["kept_fraction"], abs=1e-6)
+  held = _search.held_out_check(hybrid, tokenizer, hybrid_calibration, spec, range(4))
+  np.testing.assert_allclose(held["kl"], measured.kl, rtol=2e-3, atol=1e-6)
+  assert held["kv_mib"] == pytest.approx(measured.kv_bytes / 2**20, abs=1e-4)
+  assert held["kv_bytes_max"] == measured.kv_bytes_max <= measured.kv_bytes_bound
+
+
+def test_a_learned_allocation_leaves_sliding_layers_alone(hybrid, hybrid_calibration):
+  """Offsets of a sliding layer rank nothing: they stay 0, the rest centred."""
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25)
+  allocation = _search.learn_allocation(hybrid, hybrid_calibration, spec, steps=3)
+  full = np.asarray([w == 0 for w in hybrid.config.layer_windows])
+  assert (allocation.offsets[~full] == 0).all() and np.abs(allocation.offsets[full]).max() > 0
+  assert allocation.offsets[full].mean() == pytest.approx(0, abs=1e-6)

@@ -132,14 +132,33 @@ def scored_context(
   state = _read_and_score(model, begun.state, begun.encoded, tokenizer, begun.shape)
   cache = state.cache
   check_status(cache)
+  valid = np.asarray(valid_mask(cache))
+  # A sliding layer has freed the pages its window passed: its tokens sit from index 0 of
+  # the view, not at their positions. Every sequence is put back in position order.
+  index = np.where(valid, np.asarray(logical_view(cache, cache.slot("position"))), -1)
+
+  def ordered(view):
+    return _in_position_order(np.asarray(view), index)
+
   return ScoredContext(
-      scores=np.asarray(logical_view(cache, cache.slot("score"))),
-      valid=np.asarray(valid_mask(cache)),
-      marked=np.asarray(logical_view(cache, cache.slot("protected"))),
-      keys=np.asarray(logical_view(cache, cache.k_pages)),
-      values=np.asarray(logical_view(cache, cache.v_pages)),
+      scores=ordered(logical_view(cache, cache.slot("score"))),
+      valid=ordered(valid),
+      marked=ordered(logical_view(cache, cache.slot("protected"))),
+      keys=ordered(logical_view(cache, cache.k_pages)),
+      values=ordered(logical_view(cache, cache.v_pages)),
       logits=np.asarray(state.logits),
   )
+
+
+def _in_position_order(view: np.ndarray, position: np.ndarray) -> np.ndarray:
+  """view [L, B, H, N, ...] with each live entry moved to index `position` [L, B, H, N]
+  (-1: not live; its index is left zero)."""
+  n = view.shape[3]
+  where = np.where(position >= 0, position, n)  # a dead entry goes to a dropped extra index
+  where = where.reshape(where.shape + (1,) * (view.ndim - 4))
+  out = np.zeros(view.shape[:3] + (n + 1,) + view.shape[4:], view.dtype)
+  np.put_along_axis(out, np.broadcast_to(where, view.shape), view, axis=3)
+  return out[:, :, :, :n]
 
 
 def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False) -> State:

@@ -220,15 +220,6 @@ def _check_request(model, text, cases, target, policies) -> tuple[list[str], lis
   any work."""
   if not isinstance(target, Target):
     raise TypeError(f"target must be a str or kvjax.tuning.Target, got {type(target).__name__}")
-  windows = ModelShape.of(model).windows
-  if any(windows):
-    # The relaxation attends to every context token on every layer: on a model with
-    # sliding-window layers its full-cache reference and its masks would be another model's.
-    raise ValueError(
-        f"kvjax tune does not model sliding-window layers yet: this model has "
-        f"{sum(1 for w in windows if w)} of {len(windows)} (choose a setting with "
-        "`kvjax eval fidelity` or `kvjax eval passkey` sweeps instead)"
-    )
   if (text is None) == (cases is None):
     raise ValueError("give a text sample (text=) or question cases (cases=), not both or neither")
   if target.metric == "accuracy" and text is not None:

@@ -13,6 +13,12 @@ through a mask. Here the mask is a bias on the attention logits:
           so that the expected kept count is the budget
 
 The loss is KL(full cache || masked) on the continuation; its gradient moves the offsets.
+
+A sliding-window layer (Gemma 3's local layers, Mistral's) is as the real cache holds it: a
+continuation query at position p sees the context keys past p - window, whatever the
+policy; its mask is the window, never a ranking's, and no budget is spent there (as
+`kvjax.eviction.evict_once` leaves those layers alone). The full cache's reference is the
+same model: its sliding layers see their windows.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ class Batch:
   positions: Int[Array, "B T"]
   weights: Float[Array, "B T"]  # which predictions count (0: padding, or not scored)
   teacher: Float[Array, "B T V"]  # full-cache log-probabilities of each prediction
-  kept: Int[Array, " B"]  # tokens the budget keeps per item, over all layers and heads
+  kept: Int[Array, " B"]  # tokens the budget keeps per item, over the full layers and heads
+  window: Int[Array, " L"]  # each layer's sliding window (0: a full layer, which policies rank)
+
+  @property
+  def full(self) -> Bool[Array, " L"]:
+    """The layers that keep the context and that policies compress."""
+    return self.window == 0
 
 
 jax.tree_util.register_dataclass(
@@ -53,18 +65,27 @@ jax.tree_util.register_dataclass(
 )
 
 
-def masked_attend(keys, values, bias):
-  """An `attend` (see kvjax.seam) over a fixed context [L, B, H, N, D] whose tokens carry
-  the logit bias [L, B, H, N], then the new tokens themselves, causally."""
+def masked_attend(batch: Batch, bias):
+  """An `attend` (see kvjax.seam) over the batch's fixed context [L, B, H, N, D] whose
+  tokens carry the logit bias [L, B, H, N], then the new tokens themselves, causally; a
+  sliding layer's queries see only the keys inside their window."""
+  keys, values = batch.keys, batch.values
+  n = keys.shape[3]
+  # [B, T, N]: how far each context key (at position j) lies behind each query.
+  ctx_behind = batch.positions[:, :, None] - jnp.arange(n)[None, None, :]
+  own_behind = batch.positions[:, :, None] - batch.positions[:, None, :]  # [B, T, T]
 
   def attend(q, k, v, state, layer):
     b, t, hq, d = q.shape
     h = k.shape[2]
+    window = batch.window[layer]
     rows = q.reshape(b, t, h, hq // h, d).astype(jnp.float32) * d**-0.5  # [B, T, H, G, D]
     ctx = jnp.einsum("bthgd,bhnd->bhgtn", rows, keys[layer].astype(jnp.float32))
-    ctx = ctx + bias[layer][:, :, None, None, :]
+    ctx_seen = (window == 0) | (ctx_behind < window)  # [B, T, N]
+    ctx = jnp.where(ctx_seen[:, None, None], ctx + bias[layer][:, :, None, None, :], NEG)
     own = jnp.einsum("bthgd,bshd->bhgts", rows, k.astype(jnp.float32))
-    own = jnp.where(jnp.tril(jnp.ones((t, t), bool)), own, NEG)
+    own_seen = (own_behind >= 0) & ((window == 0) | (own_behind < window))  # [B, T, T]
+    own = jnp.where(own_seen[:, None, None], own, NEG)
     top = jax.lax.stop_gradient(jnp.maximum(ctx.max(-1), own.max(-1)))[..., None]
     p_ctx, p_own = jnp.exp(ctx - top), jnp.exp(own - top)
     total = p_ctx.sum(-1) + p_own.sum(-1)  # [B, H, G, T]
@@ -79,9 +100,7 @@ def masked_attend(keys, values, bias):
 def continuation_logprobs(graphdef, params, batch: Batch, bias) -> Float[Array, "B T V"]:
   """Log-probabilities of the continuation's predictions with the context masked by `bias`."""
   model = nnx.merge(graphdef, params)
-  logits, _ = model.run(
-      batch.tokens, batch.positions, None, masked_attend(batch.keys, batch.values, bias)
-  )
+  logits, _ = model.run(batch.tokens, batch.positions, None, masked_attend(batch, bias))
   return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
@@ -104,19 +123,22 @@ def hard_keep(
     ranked: Float[Array, "L B H N"], batch: Batch, sharing: str
 ) -> Bool[Array, "L B H N"]:
   """What a context compressed once keeps: each sequence's count from
-  `kvjax.eviction.head_budgets` (the library's own), then its best tokens by the ranking, fixed
-  ones first, ties to the earlier index (as `kvjax.eviction.fixed_shape.evict` picks them)."""
-  l, b, h, n = ranked.shape
+  `kvjax.eviction.head_budgets` (the library's own; a budget on the full layers only), then
+  its best tokens by the ranking, fixed ones first, ties to the earlier index (as
+  `kvjax.eviction.fixed_shape.evict` picks them). A sliding layer keeps what it holds: its
+  window is the attention's mask."""
+  _, b, h, _ = ranked.shape
+  full = batch.full[:, None, None, None]  # [L, 1, 1, 1]
   fixed = jnp.broadcast_to(batch.fixed[None, :, None, :], ranked.shape)
   valid = jnp.broadcast_to(batch.valid[None, :, None, :], ranked.shape)
-  per_sequence = batch.kept // (l * h)  # the spec's budget in tokens
+  per_sequence = batch.kept // (jnp.maximum(batch.full.sum(), 1) * h)  # the spec's budget
   counts = jnp.stack(
       [
           head_budgets(
               ranked[:, i : i + 1],
               fixed[:, i : i + 1],
-              valid[:, i : i + 1],
-              jnp.full((l,), per_sequence[i]),
+              valid[:, i : i + 1] & full,
+              jnp.where(batch.full, per_sequence[i], 0),
               sharing,
           )[:, 0]
           for i in range(b)
@@ -126,19 +148,21 @@ def hard_keep(
   x = jnp.where(fixed & valid, jnp.inf, jnp.where(valid, ranked, -jnp.inf))
   order = jnp.argsort(-x, axis=-1, stable=True)
   rank = jnp.argsort(order, axis=-1)
-  return (rank < counts[..., None]) & valid
+  return ((rank < counts[..., None]) | ~full) & valid
 
 
 def soft_log_keep(
     ranked: Float[Array, "L B H N"], batch: Batch, temperature
 ) -> Float[Array, "L B H N"]:
   """log of a soft keep-mask whose expected kept count per item is its budget: sigmoid of
-  (ranked - tau) / temperature, tau found by bisection; fixed tokens kept, invalid dropped.
+  (ranked - tau) / temperature, tau found by bisection; fixed tokens (and a sliding layer's)
+  kept, invalid dropped.
   The gradient through tau is the implicit one (tau moves so the count stays the budget)."""
   fixed = batch.fixed[None, :, None, :]
   valid = batch.valid[None, :, None, :]
-  free = valid & ~fixed
-  target = batch.kept - jnp.broadcast_to(fixed & valid, ranked.shape).sum((0, 2, 3))  # [B]
+  full = batch.full[:, None, None, None]
+  free = valid & ~fixed & full  # a sliding layer's tokens are outside the ranking
+  target = batch.kept - jnp.broadcast_to(fixed & valid & full, ranked.shape).sum((0, 2, 3))
   x = jnp.where(free, ranked, 0.0)
 
   def count(tau):  # [B]
@@ -191,11 +215,20 @@ def relaxed_loss(offsets, graphdef, params, batch: Batch, z, temperature, l2):
   """Mean KL to the full cache under the soft mask of z + offsets (offsets centred: the
   ranking depends only on their differences), plus `l2` x their mean square (a few
   calibration items must not pull the policy's own ranking far)."""
-  offsets = offsets - offsets.mean()
+  offsets = centred(offsets, batch.full)
   ranked = z + offsets[:, None, :, None]
   bias = soft_log_keep(ranked, batch, temperature)
   logprobs = continuation_logprobs(graphdef, params, batch, bias)
-  return kl_per_item(batch.teacher, logprobs, batch.weights).mean() + l2 * jnp.mean(offsets**2)
+  square = (offsets**2).sum() / jnp.maximum(batch.full.sum() * offsets.shape[1], 1)
+  return kl_per_item(batch.teacher, logprobs, batch.weights).mean() + l2 * square
+
+
+def centred(offsets: Float[Array, "L H"], full: Bool[Array, " L"]) -> Float[Array, "L H"]:
+  """Offsets less their mean over the full layers, 0 on sliding ones (outside every ranking:
+  nothing there may drift or pull the mean)."""
+  full = full[:, None]
+  mean = jnp.where(full, offsets, 0.0).sum() / jnp.maximum(full.sum() * offsets.shape[1], 1)
+  return jnp.where(full, offsets - mean, 0.0)
 
 
 def pad_stack(arrays: list[np.ndarray], axis: int, fill) -> np.ndarray:

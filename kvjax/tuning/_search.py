@@ -125,16 +125,17 @@ def batches(cal: Calibration, spec: CompressionSpec, index: Sequence[int] | None
 def make_batch(cal: Calibration, spec: CompressionSpec, sel: np.ndarray) -> _relax.Batch:
   n = cal.valid.shape[1]
   lengths = cal.lengths[sel]
-  l, h = cal.shape.n_layers, cal.shape.n_kv_heads
+  windows = _windows(cal)
+  full, h = int((windows == 0).sum()), cal.shape.n_kv_heads
   if spec.evicts:
     budgets = [spec.budget_tokens(cal.items[i].budget_length) for i in sel]
     recent = np.asarray([spec.recent_tokens(b) for b in budgets])
     idx = np.arange(n)
     fixed = cal.marked[sel] | (idx < spec.sink) | (idx >= (lengths - recent)[:, None])
-    kept = np.asarray(budgets) * l * h
+    kept = np.asarray(budgets) * full * h
   else:
     fixed = np.ones((len(sel), n), bool)
-    kept = lengths * l * h
+    kept = lengths * full * h
   return _relax.Batch(
       keys=jnp.asarray(cal.keys[:, sel]),
       values=jnp.asarray(cal.values[:, sel]),
@@ -145,7 +146,23 @@ def make_batch(cal: Calibration, spec: CompressionSpec, sel: np.ndarray) -> _rel
       weights=jnp.asarray(cal.weights[sel]),
       teacher=jnp.asarray(cal.teacher[sel]) if cal.teacher is not None else None,
       kept=jnp.asarray(kept, jnp.int32),
+      window=jnp.asarray(windows, jnp.int32),
   )
+
+
+def _windows(cal: Calibration) -> np.ndarray:
+  """[L] each layer's sliding window, 0 for a full layer."""
+  return np.asarray(cal.shape.windows or (0,) * cal.shape.n_layers, np.int64)
+
+
+def _held_tokens(cal: Calibration, counts: np.ndarray, index, page_size: int) -> np.ndarray:
+  """[L, I, H] tokens each sequence holds once the context is read: `counts` (what the
+  masks keep) on the full layers; on a sliding layer, its window's latest tokens in whole
+  pages (`kvjax.eviction.slide` frees only the pages the window has wholly passed)."""
+  windows = _windows(cal)[:, None, None]
+  lengths = cal.lengths[np.asarray(index)][None, :, None]
+  passed = np.maximum(lengths - (windows - 1), 0) // page_size * page_size
+  return np.where(windows > 0, lengths - passed, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,12 +225,25 @@ def _page_bytes(cal: Calibration, spec: CompressionSpec) -> int:
 
 
 def _bytes_bound(cal: Calibration, spec: CompressionSpec, index) -> int:
-  sequences = cal.shape.n_layers * cal.shape.n_kv_heads
-  pages = max(_page_bound(spec, cal.items[i].budget_length, sequences) for i in index)
+  """The most bytes any item of `index` can hold at `spec`, whatever its content: the full
+  layers' sequences under the budget, the sliding layers' their windows."""
+  h = cal.shape.n_kv_heads
+  full = int((_windows(cal) == 0).sum()) * h
+  window_pages = pages_for(
+      _held_tokens(cal, np.zeros((cal.shape.n_layers, len(index), h)), index, spec.page_size),
+      spec.page_size,
+  ).sum(
+      (0, 2)
+  )  # [items]: 0 on the full layers
+  pages = max(
+      _page_bound(spec, cal.items[i].budget_length, full) + int(w)
+      for i, w in zip(index, window_pages)
+  )
   return pages * _page_bytes(cal, spec)
 
 
 def _measured(cal, spec, index, kls, agrees, counts) -> Measured:
+  counts = _held_tokens(cal, counts, index, spec.page_size)
   held = pages_for(counts, spec.page_size).sum((0, 2)) * _page_bytes(cal, spec)  # [items]
   lengths = cal.lengths[np.asarray(index)]
   kept = counts.sum((0, 2)) / (lengths * cal.shape.n_layers * cal.shape.n_kv_heads)
@@ -333,7 +363,7 @@ def learn_allocation(
           f"  step {step + 1}/{steps}: relaxed KL {float(loss):.4f} (temperature "
           f"{temperature:.3f})"
       )
-  offsets = np.asarray(offsets - offsets.mean())
+  offsets = np.asarray(_relax.centred(offsets, jnp.asarray(_windows(cal) == 0)))
   return HeadAllocation(
       offsets=offsets,
       policy=spec.policy.name,

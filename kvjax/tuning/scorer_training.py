@@ -38,13 +38,16 @@ def _hidden_states(params, ids, *, graphdef):
   causal attention: no cache needed to read a window once)."""
   model = nnx.merge(graphdef, params)
   t = ids.shape[1]
-  causal = jnp.tril(jnp.ones((t, t), bool))
+  behind = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # [T, S]
+  windows = jnp.asarray(_windows(model), jnp.int32)
 
   def attend(q, k, v, record, layer):  # q [1, T, Hq, D], k/v [1, T, Hkv, D]
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    window = windows[layer]  # a sliding layer's query sees only its window
+    seen = (behind >= 0) & ((window == 0) | (behind < window))
+    probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs, v).astype(q.dtype), record
 
   def after_layer(record, layer, h_in, h_out):
@@ -58,11 +61,23 @@ def _hidden_states(params, ids, *, graphdef):
   return record
 
 
+def _windows(model) -> tuple[int, ...]:
+  """Each layer's sliding window (0: a full layer), as the seam reads them."""
+  return tuple(getattr(model.config, "layer_windows", None) or (0,) * model.config.n_layers)
+
+
+def full_layers(model) -> np.ndarray:
+  """[L] the layers a scorer ranks: a sliding layer holds its window, no policy scores it
+  (its targets are 0 and its weights stay 0)."""
+  return np.asarray([w == 0 for w in _windows(model)])
+
+
 def training_pairs(
     model, tokenizer, ids: Sequence[int], *, sink: int = 4
 ) -> tuple[np.ndarray, np.ndarray]:
   """(features [L, T', d], targets [L, T', H]) for one window of text ids: normalised hidden
-  states and log kvzip scores, without the first `sink` tokens (always kept, never scored)."""
+  states and log kvzip scores, without the first `sink` tokens (always kept, never scored);
+  on a sliding layer (`full_layers`) both are 0."""
   if not isinstance(getattr(model.config, "d_model", None), int):
     raise TypeError(
         f"{type(model).__name__}.config needs d_model (the hidden size) to train a scorer"
@@ -73,10 +88,12 @@ def training_pairs(
   scores, valid = context_scores(model, [list(ids)], spec, tokenizer=tokenizer)
   n = len(ids)
   scores = scores[:, 0, :, :n].transpose(0, 2, 1)  # [L, T, H]
-  if not valid[:, 0, :, :n].all():
+  full = full_layers(model)
+  if not valid[full, 0, :, :n].all():
     raise RuntimeError("kvzip scoring lost tokens of the window")  # a bug, not bad input
-  features = np.asarray(normalise(hidden))[:, sink:]
+  features = np.array(normalise(hidden))[:, sink:]
   targets = np.log(np.maximum(scores, LOG_FLOOR))[:, sink:]
+  features[~full], targets[~full] = 0.0, 0.0
   return features, targets.astype(np.float32)
 
 
@@ -89,10 +106,13 @@ def _fit(
     learning_rate: float,
     seed: int,
     progress: Callable[[int, float], None] | None,
+    layers: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per-layer linear regression [L, d] -> [L, H] by Adam on the mean squared error, over
-  minibatches of `batch` tokens (all layers at once). Returns (weight [L, d, H], bias [L, H])."""
+  """Per-layer linear regression [L, d] -> [L, H] by Adam on the mean squared error over
+  `layers` ([L] bool; all by default), over minibatches of `batch` tokens (all layers at
+  once). Returns (weight [L, d, H], bias [L, H])."""
   l, n, d = features.shape
+  counted = jnp.asarray(np.ones(l, bool) if layers is None else layers, jnp.float32)
   h = targets.shape[-1]
   params = {
       "weight": jnp.zeros((l, d, h), jnp.float32),
@@ -108,7 +128,8 @@ def _fit(
 
   def loss_fn(params, x, y):  # x [L, N, d], y [L, N, H]
     pred = jnp.einsum("lnd,ldh->lnh", x, params["weight"]) + params["bias"][:, None]
-    return jnp.mean((pred - y) ** 2)
+    error = jnp.mean((pred - y) ** 2, axis=(1, 2))  # [L]
+    return (error * counted).sum() / counted.sum()
 
   @jax.jit
   def step(params, state, x_all, y_all, i):
@@ -126,13 +147,18 @@ def _fit(
   return np.asarray(params["weight"]), np.asarray(params["bias"])
 
 
-def evaluate(scorer: Scorer, features: np.ndarray, targets: np.ndarray, keep: float = 0.25):
-  """Held-out quality: mean squared error and R^2 of the log-scores, and the share of the
-  `keep` best tokens by kvzip (one ranking over all layers and heads of each window) that
-  the scorer also ranks in its best `keep` (features/targets: lists of per-window arrays)."""
+def evaluate(
+    scorer: Scorer, features: np.ndarray, targets: np.ndarray, keep: float = 0.25, layers=None
+):
+  """Held-out quality on `layers` ([L] bool; all by default): mean squared error and R^2 of
+  the log-scores, and the share of the `keep` best tokens by kvzip (one ranking over those
+  layers and all heads of each window) that the scorer also ranks in its best `keep`
+  (features/targets: lists of per-window arrays)."""
   errors, overlaps, variance = [], [], []
   for x, y in zip(features, targets):
-    pred = np.stack([np.asarray(scorer.predict(jnp.asarray(x[i]), i)) for i in range(len(x))])
+    chosen = np.arange(len(x)) if layers is None else np.flatnonzero(layers)
+    pred = np.stack([np.asarray(scorer.predict(jnp.asarray(x[i]), i)) for i in chosen])
+    y = y[chosen]
     errors.append(np.mean((pred - y) ** 2))
     variance.append(np.var(y))
     k = max(1, int(keep * y.size))
@@ -213,10 +239,11 @@ def train_scorer(
       learning_rate=learning_rate,
       seed=seed,
       progress=report,
+      layers=full_layers(model),
   )
   bar.close()
   scorer = Scorer(weight, bias, model=model_name, fingerprint=model_fingerprint(model))
-  metrics = evaluate(scorer, features[-num_test:], targets[-num_test:])
+  metrics = evaluate(scorer, features[-num_test:], targets[-num_test:], layers=full_layers(model))
   metrics.update(
       context_tokens=context_tokens,
       train_windows=windows - num_test,
