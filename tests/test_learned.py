@@ -303,3 +303,13 @@ def test_a_scorer_trains_on_a_model_with_sliding_layers(tmp_path):
   features, _ = training.training_pairs(model, tokenizer, window, sink=4)
   expected = np.asarray(scorer.predict(jnp.asarray(features[2]), 2))  # [T', H]
   np.testing.assert_allclose(scores[2, 0, :, 4:128].T, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_whose_every_layer_slides_has_no_scorer_to_train():
+  from kvjax.testing import tiny_gemma3
+
+  model, tokenizer = tiny_gemma3(window=8, n_layers=2, max_context=1024), ByteTokenizer()
+  with pytest.raises(ValueError, match=r"every layer of this model slides a window \(2\)"):
+    training.train_scorer(
+        model, tokenizer, tokenizer.encode(TEXT), model_name="x", context_tokens=128, windows=4
+    )

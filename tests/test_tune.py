@@ -477,7 +477,10 @@ def test_a_bad_allocation_is_refused(offsets, scale, message):
 
 # ---- a model with sliding-window layers (Gemma 3's pattern) -----------------------------
 
-WINDOW = 24  # under the 96-token contexts: a sliding layer's continuation sees a part
+# A window under the continuation (its own tokens are windowed too), and contexts whose
+# read leaves exactly whole pages behind the window (104 - (9 - 1) = 6 pages of 16): an
+# off-by-one in what a sliding layer holds would show in the bytes.
+WINDOW, HYBRID_CONTEXT = 9, 104
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +494,7 @@ def hybrid():
 def hybrid_calibration(hybrid, tokenizer):
   ids = np.random.default_rng(1).integers(3, 250, 800).tolist()
   items = _workload.text_items(
-      tokenizer, ids, context_tokens=CONTEXT, continuation_tokens=CONTINUATION, max_items=4
+      tokenizer, ids, context_tokens=HYBRID_CONTEXT, continuation_tokens=CONTINUATION, max_items=4
   )
   return _search.calibrate(hybrid, tokenizer, items, ["kvzip"])
 
@@ -531,11 +534,36 @@ def test_hard_evaluation_of_a_hybrid_model_equals_the_real_pipeline(
     real = fidelity(hybrid, list(item.ids), list(item.continuation), spec, tokenizer=tokenizer)
     assert real["kl"] > 1e-4  # the budget evicts what the continuation reads
     np.testing.assert_allclose(measured.kl_items[i], real["kl"] * t / (t - 1), rtol=2e-3, atol=1e-6)
-  assert measured.kept_fraction == pytest.approx(real["kept_fraction"], abs=1e-6)
+    alone = _search.evaluate_once(hybrid, hybrid_calibration, spec, [i])
+    assert alone.kept_fraction == pytest.approx(real["kept_fraction"], abs=1e-6)
   held = _search.held_out_check(hybrid, tokenizer, hybrid_calibration, spec, range(4))
   np.testing.assert_allclose(held["kl"], measured.kl, rtol=2e-3, atol=1e-6)
   assert held["kv_mib"] == pytest.approx(measured.kv_bytes / 2**20, abs=1e-4)
   assert held["kv_bytes_max"] == measured.kv_bytes_max <= measured.kv_bytes_bound
+
+
+@pytest.mark.parametrize("sharing", ["global", "layer", "uniform"])
+def test_hybrid_masks_spend_the_budget_on_the_full_layers_only(hybrid_calibration, sharing):
+  """Hard and soft masks keep the budget's count over the full layers (the soft one in
+  expectation) and everything on a sliding layer, whose window does the rest."""
+  spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25, head_budget=sharing)
+  batch = _search.make_batch(hybrid_calibration, spec, np.arange(4))
+  ranked = jnp.asarray(hybrid_calibration.scores["kvzip"])
+  full = np.asarray(batch.full)
+  keep = np.asarray(_relax.hard_keep(ranked, batch, spec.sharing))
+  valid = np.asarray(batch.valid)
+  assert (keep[~full] == valid[None, :, None, :]).all()
+  assert (keep[full].sum((0, 2, 3)) == np.asarray(batch.kept)).all()
+  soft = np.exp(np.asarray(_relax.soft_log_keep(ranked, batch, 0.5)))
+  assert (soft[~full] == valid[None, :, None, :]).all()
+  np.testing.assert_allclose(soft[full].sum((0, 2, 3)), np.asarray(batch.kept), rtol=1e-3)
+
+
+def test_a_model_whose_every_layer_slides_is_refused_in_one_line(tokenizer):
+  from kvjax.testing import tiny_gemma3
+
+  with pytest.raises(ValueError, match=r"every layer of this model slides a window \(2 of 2\)"):
+    tune(tiny_gemma3(window=8, n_layers=2, max_context=256), tokenizer, text="abc " * 100)
 
 
 def test_a_learned_allocation_leaves_sliding_layers_alone(hybrid, hybrid_calibration):

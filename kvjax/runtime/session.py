@@ -108,8 +108,9 @@ def context_scores(
 
 @dataclasses.dataclass(frozen=True)
 class ScoredContext:
-  """A context read whole and scored, nothing evicted (host arrays, logical order: token n
-  of row b at index n of every sequence)."""
+  """A context read whole and scored, nothing evicted (host arrays in position order: token n
+  of row b at index n of every sequence; a sliding layer holds only its window's latest
+  tokens, the rest not `valid`)."""
 
   scores: np.ndarray  # [L, B, H, N] float32: the policy's scores, higher = keep
   valid: np.ndarray  # [L, B, H, N] bool: live tokens

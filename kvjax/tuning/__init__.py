@@ -231,7 +231,12 @@ def _check_request(model, text, cases, target, policies) -> tuple[list[str], lis
   once = [p for p in policies if CompressionSpec(policy=p, budget=0.5).once]
   if not once:
     raise ValueError(f"policies {list(policies)} include no compress-once policy (e.g. kvzip)")
-  ModelShape.of(model)  # TypeError for what is not a kvjax model, before any work
+  windows = ModelShape.of(model).windows  # TypeError for what is not a kvjax model
+  if windows and all(windows):
+    raise ValueError(
+        f"every layer of this model slides a window ({len(windows)} of {len(windows)}): no "
+        "policy compresses a sliding layer, so there is nothing for kvjax tune to choose"
+    )
   return once, [p for p in policies if p not in once]
 
 

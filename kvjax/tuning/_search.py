@@ -334,7 +334,10 @@ def learn_allocation(
   graphdef, params = nnx.split(model)
   index = list(range(len(cal.items))) if index is None else list(index)
   raw = cal.scores[spec.policy.name]
-  valid = np.broadcast_to(cal.valid[None, :, None, :], raw.shape)
+  # The ranked entries only: a sliding layer's scores (0 where its window freed the token)
+  # would set the transform and the scale the temperatures and l2 are in units of.
+  ranked = (_windows(cal) == 0)[:, None, None, None]
+  valid = np.broadcast_to(cal.valid[None, :, None, :] & ranked, raw.shape)
   log_scores = bool((raw[valid] >= 0).all())
   z = transform(raw, log_scores, 1.0)
   scale = float(np.std(z[valid])) or 1.0

@@ -35,7 +35,8 @@ LOG_FLOOR = 1e-6  # kvzip scores are attention probabilities: log(max(score, flo
 @partial(jax.jit, static_argnames="graphdef")
 def _hidden_states(params, ids, *, graphdef):
   """[L, T, d]: the hidden state entering every layer, for one row of ids [1, T] (dense
-  causal attention: no cache needed to read a window once)."""
+  causal attention, within its window on a sliding layer: no cache needed to read a window
+  of text once)."""
   model = nnx.merge(graphdef, params)
   t = ids.shape[1]
   behind = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # [T, S]
@@ -208,6 +209,11 @@ def train_scorer(
   from tqdm.auto import tqdm
 
   check_options(model, context_tokens=context_tokens, windows=windows, held_out=held_out)
+  if not full_layers(model).any():
+    raise ValueError(
+        f"every layer of this model slides a window ({model.config.n_layers}): a scorer ranks "
+        "the full layers' tokens, and it has none"
+    )
   check_int("steps", steps)
   check_int("batch", batch)
   if isinstance(learning_rate, bool) or not (
