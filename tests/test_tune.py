@@ -573,3 +573,62 @@ def test_a_learned_allocation_leaves_sliding_layers_alone(hybrid, hybrid_calibra
   full = np.asarray([w == 0 for w in hybrid.config.layer_windows])
   assert (allocation.offsets[~full] == 0).all() and np.abs(allocation.offsets[full]).max() > 0
   assert allocation.offsets[full].mean() == pytest.approx(0, abs=1e-6)
+
+
+# ---- the search over settings, with measurements stood in -------------------------------
+
+
+def _point(policy, budget, kl, mib, learned=False):
+  from kvjax.tuning._result import Point
+
+  measured = _search.Measured(
+      kl=kl,
+      kl_se=0.0,
+      agree=1.0,
+      kv_bytes=mib * 2**20,
+      kv_bytes_max=int(mib * 2**20),
+      kv_bytes_bound=int(mib * 2**20),
+      kept_fraction=budget,
+      kl_items=(kl,),
+      agree_items=(True,),
+  )
+  return Point(kvjax.CompressionSpec(policy=policy, budget=budget), measured, None, learned, 8)
+
+
+def test_a_running_policy_that_meets_the_target_is_tried_at_lower_budgets():
+  """Running policies are measured by real runs, so the search tries them first at the best
+  compress-once budget; where they meet the target there, the budgets below it are tried
+  from the top down until one misses, then bisected: the least budget that meets."""
+  from kvjax.tuning import _settings
+  from kvjax.tuning._target import parse_target as parse
+
+  search = object.__new__(_settings.Search)
+  search.target, search.say, search.tried = parse("kl=0.05"), lambda _: None, []
+  search.grid, search.lengths = _search.fractions(), [1024]
+  measured = []
+
+  def measure(spec, index, learned=False, judge=None):
+    measured.append(spec.budget)
+    return _point(spec.policy.name, spec.budget, kl=0.01 / spec.budget, mib=40 * spec.budget)
+
+  search.measure = measure
+  start = measure(kvjax.CompressionSpec(policy="h2o", budget=0.4895), None)
+  chosen = search.lowered("h2o", start, list(range(8)))
+  # KL = 0.01 / budget meets 0.05 down to budget 0.2: the grid's 0.2393 meets, 0.1673
+  # misses, bisection 0.2033 meets, 0.1853 misses.
+  assert measured == [0.4895, 0.3422, 0.2393, 0.1673, 0.2033, 0.1853]
+  assert chosen.spec.budget == 0.2033
+
+
+def test_a_fixed_setting_cheaper_than_the_learned_one_is_chosen():
+  from kvjax.tuning._settings import choose
+  from kvjax.tuning._target import parse_target as parse
+
+  learned = _point("kvzip", 0.4, 0.04, 17.5, learned=True)
+  plain = _point("kvzip", 0.49, 0.04, 18.0)
+  cheaper = _point("h2o", 0.2, 0.04, 9.0)
+  chosen, why = choose(learned, plain, cheaper, "kvzip", parse("kl=0.05"))
+  assert chosen is cheaper
+  assert "kvzip with a learned allocation needs budget 0.4" in why and "h2o at budget 0.2" in why
+  chosen, why = choose(learned, plain, plain, "kvzip", parse("kl=0.05"))
+  assert chosen is learned and "learned head allocation" in why

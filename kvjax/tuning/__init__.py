@@ -8,8 +8,10 @@ The sample becomes items (a context, then a continuation: the next text, or a qu
 the full cache's answer), split into a tuning part and a held-out part. On the tuning part:
 
 1. every candidate policy at budgets spaced in log space (compress-once policies exactly and
-   cheaply from one scoring of each context, `_relax`; the others by real runs), which gives
-   each policy's smallest budget that meets the target (the "best fixed setting");
+   cheaply from one scoring of each context, `_relax`; the others by real runs, first at
+   the best compress-once budget and, where they meet the target there, at the budgets
+   below it), which gives each policy's smallest budget that meets the target (the "best
+   fixed setting");
 2. for the best compress-once policy, a head allocation learned with optax (`_search.
    learn_allocation`: offsets per layer and kv head through a soft, annealed keep-mask,
    minimising KL to the full cache at the budget), trained on one half of the tuning items

@@ -93,8 +93,39 @@ class Search:
         break
       self.say(f"{p}: at budget {best_once.spec.budget} (runs each of {len(running_idx)} items)")
       point = self.measure(CompressionSpec(policy=p, budget=best_once.spec.budget), running_idx)
+      if self.target.meets(point) and self.target.metric != "memory":
+        point = self.lowered(p, point, running_idx)
       fixed[p] = point if self.target.meets(point) else None
     return fixed, best_once
+
+  def lowered(self, policy, meeting: Point, index) -> Point:
+    """A running policy that meets the target at a budget, at the least budget that still
+    does: the grid's budgets below it from the top down (real runs: each prefills every
+    item) until one misses, then two bisection steps between."""
+    missing = None
+    for rho in sorted((r for r in self.grid if r < meeting.spec.budget), reverse=True):
+      spec = spec_or_none(lambda r: CompressionSpec(policy=policy, budget=r), rho, self.lengths)
+      if spec is None:
+        break
+      point = self.measure(spec, index)
+      if not self.target.meets(point):
+        missing = rho
+        break
+      meeting = point
+    if missing is None:
+      return meeting
+    lo, hi = missing, meeting.spec.budget
+    for _ in range(2):
+      mid = round((lo + hi) / 2, 4)
+      spec = spec_or_none(lambda r: CompressionSpec(policy=policy, budget=r), mid, self.lengths)
+      if spec is None:
+        break
+      point = self.measure(spec, index)
+      if self.target.meets(point):
+        meeting, hi = point, mid
+      else:
+        lo = mid
+    return meeting
 
   def learned_setting(self, policy, at, tune_idx, steps) -> tuple[Point | None, dict]:
     """`policy` with a head allocation learned at budget `at`, cross-fitted: one allocation
@@ -195,7 +226,7 @@ class Search:
 def choose(learned, plain, baseline, policy, target) -> tuple[Point | None, str]:
   """The learned setting (given where it beats `policy`'s default ranking, `plain`), else
   the best fixed setting; with why, in words. (None, "") when neither meets the target."""
-  if learned is not None:
+  if learned is not None and (baseline is None or better(learned, baseline, target)):
     return learned, (
         f"{policy} with the learned head allocation meets {target} on tuning items (each judged "
         f"by an allocation learned without it) at budget {learned.spec.budget} "
@@ -207,10 +238,15 @@ def choose(learned, plain, baseline, policy, target) -> tuple[Point | None, str]
         )
     )
   if baseline is not None:
+    beaten = (
+        f"{policy} with a learned allocation needs budget {learned.spec.budget} "
+        f"({learned.measured.kv_bytes / 2**20:.2f} MiB)"
+        if learned is not None
+        else f"the learned allocation did not beat {policy}'s default ranking on held-in items"
+    )
     return baseline, (
-        f"the learned allocation did not beat {policy}'s default ranking on held-in items; "
-        f"{baseline.spec.policy.name} at budget {baseline.spec.budget} is the least memory "
-        f"meeting {target}"
+        f"{beaten}; {baseline.spec.policy.name} at budget {baseline.spec.budget} "
+        f"({baseline.measured.kv_bytes / 2**20:.2f} MiB) is the least memory meeting {target}"
     )
   return None, ""
 
