@@ -188,7 +188,7 @@ def test_a_budget_past_the_window_fits_a_pool_sized_by_the_windows():
   cfg = kvjax.CacheConfig(page_size=4, max_tokens=64, budget=32, windows=(8, 0))
   cache = kvjax.init_cache(cfg, num_layers=2, batch_size=1, num_kv_heads=1, head_dim=4, chunk=4)
   assert cache.k_pages.shape[0] == cfg.pool_pages(2, 4)
-  needed = cfg.pages_per_sequence(4, window=8) + 32 // 4 + 1  # window, budget, null page
+  needed = 8 // 4 + 32 // 4 + 1  # the window's pages, the budget's, the null page
   small = dataclasses.replace(cfg, num_pages=needed - 1)
   with pytest.raises(ValueError, match=f"cannot hold budget=32 .* need >= {needed}"):
     kvjax.init_cache(small, num_layers=2, batch_size=1, num_kv_heads=1, head_dim=4, chunk=4)

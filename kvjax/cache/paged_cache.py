@@ -285,11 +285,12 @@ def init_cache(
   num_sequences = num_layers * batch_size * num_kv_heads
   num_pages = config.pool_pages(num_sequences, chunk)
   if config.evicts and not shared_pool:
-    # A sliding layer is never evicted: it needs its window's pages, not the budget's.
+    # What every sequence must be able to hold: a full layer's budget; a sliding layer,
+    # which is never evicted, its window (a plan sizes the window's peak by the request,
+    # which may be shorter than the window: `CompressionSpec.plan`).
     per_layer = num_sequences // num_layers
     needed = sum(
-        per_layer
-        * (config.pages_per_sequence(chunk, w) if w else pages_for(config.budget, config.page_size))
+        per_layer * pages_for(min(w, config.max_tokens) if w else config.budget, config.page_size)
         for w in (config.windows or (0,) * num_layers)
     ) + 1
     if num_pages < needed:
