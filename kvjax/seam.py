@@ -69,6 +69,11 @@ class ModelShape:
   # `config.layer_windows`, empty without it.
   windows: tuple[int, ...] = ()
 
+  @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """Each layer's window, 0 for a full layer (all 0 on a model without windows)."""
+    return self.windows or (0,) * self.n_layers
+
   @classmethod
   def of(cls, model) -> "ModelShape":
     """Reads the seam attributes; TypeError naming what a model lacks."""

@@ -53,6 +53,14 @@ def peak_tokens(budget, margin_tokens, chunk: int, floor=0):
   return int(peak) if np.ndim(peak) == 0 else peak
 
 
+def passed_pages(length, window, page_size: int):
+  """Leading pages of a sliding layer's sequence of `length` tokens that hold none of the
+  `window - 1` latest (the ones a next query sees besides itself): what `slide` frees.
+  Ints, NumPy or jax arrays (a window > 0)."""
+  past = length - (window - 1)
+  return past * (past > 0) // page_size
+
+
 def window_peak(window, page_size: int, chunk: int):
   """Tokens a sliding layer's sequence holds at its peak: the `window - 1` latest a next
   query sees besides itself, up to a page more (whole pages are freed: `slide`), and one

@@ -11,6 +11,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from kvjax.cache.paged_cache import PagedKVCache, one_device
+from kvjax.cache.sizing import passed_pages
+
+
+def in_window(behind, window):
+  """Whether a query sees a key `behind` positions before it (0: itself) on a layer of
+  `window` (0: a full layer, every earlier key): 0 <= behind < window. Arrays broadcast."""
+  return (behind >= 0) & ((window == 0) | (behind < window))
 
 
 def full_layers(cache: PagedKVCache) -> Bool[Array, " L"]:
@@ -28,8 +35,7 @@ def slide(cache: PagedKVCache) -> PagedKVCache:
   if not cfg.sliding:
     return cache
   window = jnp.asarray(cfg.windows, jnp.int32)[:, None, None]  # [L, 1, 1]
-  past = jnp.where(window > 0, jnp.maximum(cache.length - (window - 1), 0), 0)  # [L, B, H]
-  pages = past // cfg.page_size
+  pages = jnp.where(window > 0, passed_pages(cache.length, window, cfg.page_size), 0)  # [L, B, H]
   stale = jnp.arange(cfg.max_pages) < pages[..., None]  # [L, B, H, M]
   return jax.lax.cond(
       pages.any(), lambda c: c.freed(*c.pages.drop(stale, cfg.page_size)), lambda c: c, cache

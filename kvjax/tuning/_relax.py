@@ -33,6 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.eviction.budgets import head_budgets
+from kvjax.eviction.sliding import in_window
 
 NEG = -1e9  # the logit bias of a dropped token (finite: no inf - inf in gradients)
 
@@ -81,10 +82,10 @@ def masked_attend(batch: Batch, bias):
     window = batch.window[layer]
     rows = q.reshape(b, t, h, hq // h, d).astype(jnp.float32) * d**-0.5  # [B, T, H, G, D]
     ctx = jnp.einsum("bthgd,bhnd->bhgtn", rows, keys[layer].astype(jnp.float32))
-    ctx_seen = (window == 0) | (ctx_behind < window)  # [B, T, N]
+    ctx_seen = in_window(ctx_behind, window)  # [B, T, N]
     ctx = jnp.where(ctx_seen[:, None, None], ctx + bias[layer][:, :, None, None, :], NEG)
     own = jnp.einsum("bthgd,bshd->bhgts", rows, k.astype(jnp.float32))
-    own_seen = (own_behind >= 0) & ((window == 0) | (own_behind < window))  # [B, T, T]
+    own_seen = in_window(own_behind, window)  # [B, T, T]
     own = jnp.where(own_seen[:, None, None], own, NEG)
     top = jax.lax.stop_gradient(jnp.maximum(ctx.max(-1), own.max(-1)))[..., None]
     p_ctx, p_own = jnp.exp(ctx - top), jnp.exp(own - top)

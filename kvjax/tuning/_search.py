@@ -17,7 +17,7 @@ from kvjax.fingerprint import model_fingerprint
 from kvjax.cache.pages import pages_for
 from kvjax.seam import ModelShape
 from kvjax.runtime.session import prefill, scored_context
-from kvjax.cache.sizing import held_pages_bound
+from kvjax.cache.sizing import held_pages_bound, passed_pages
 from kvjax.spec import CompressionSpec
 from kvjax.tuning import _relax
 from kvjax.tuning._workload import Item
@@ -152,7 +152,7 @@ def make_batch(cal: Calibration, spec: CompressionSpec, sel: np.ndarray) -> _rel
 
 def _windows(cal: Calibration) -> np.ndarray:
   """[L] each layer's sliding window, 0 for a full layer."""
-  return np.asarray(cal.shape.windows or (0,) * cal.shape.n_layers, np.int64)
+  return np.asarray(cal.shape.layer_windows, np.int64)
 
 
 def _held_tokens(cal: Calibration, counts: np.ndarray, index, page_size: int) -> np.ndarray:
@@ -161,8 +161,8 @@ def _held_tokens(cal: Calibration, counts: np.ndarray, index, page_size: int) ->
   pages (`kvjax.eviction.slide` frees only the pages the window has wholly passed)."""
   windows = _windows(cal)[:, None, None]
   lengths = cal.lengths[np.asarray(index)][None, :, None]
-  passed = np.maximum(lengths - (windows - 1), 0) // page_size * page_size
-  return np.where(windows > 0, lengths - passed, counts)
+  held = lengths - passed_pages(lengths, windows, page_size) * page_size
+  return np.where(windows > 0, held, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,12 +229,10 @@ def _bytes_bound(cal: Calibration, spec: CompressionSpec, index) -> int:
   layers' sequences under the budget, the sliding layers' their windows."""
   h = cal.shape.n_kv_heads
   full = int((_windows(cal) == 0).sum()) * h
-  window_pages = pages_for(
-      _held_tokens(cal, np.zeros((cal.shape.n_layers, len(index), h)), index, spec.page_size),
-      spec.page_size,
-  ).sum(
-      (0, 2)
-  )  # [items]: 0 on the full layers
+  windows_only = _held_tokens(
+      cal, np.zeros((cal.shape.n_layers, len(index), h)), index, spec.page_size
+  )
+  window_pages = pages_for(windows_only, spec.page_size).sum((0, 2))  # [items]
   pages = max(
       _page_bound(spec, cal.items[i].budget_length, full) + int(w)
       for i, w in zip(index, window_pages)

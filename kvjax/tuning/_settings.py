@@ -65,18 +65,24 @@ class Search:
       else:
         below = rho
     if best is not None and below is not None and target.metric != "memory":
-      lo, hi = below, best.spec.budget
-      for _ in range(3):
-        mid = round((lo + hi) / 2, 4)
-        spec = spec_or_none(make_spec, mid, self.lengths)
-        if spec is None:
-          break
-        point = self.measure(spec, index, learned, judge)
-        if target.meets(point):
-          best, hi = point, mid
-        else:
-          lo = mid
+      best = self.bisect(make_spec, below, best, index, 3, learned, judge)
     return best
+
+  def bisect(self, make_spec, missing, meeting, index, steps, learned=False, judge=None):
+    """`steps` bisection steps between a budget that misses the target and the point
+    `meeting` it: the least-budget point found that meets it."""
+    lo, hi = missing, meeting.spec.budget
+    for _ in range(steps):
+      mid = round((lo + hi) / 2, 4)
+      spec = spec_or_none(make_spec, mid, self.lengths)
+      if spec is None:
+        break
+      point = self.measure(spec, index, learned, judge)
+      if self.target.meets(point):
+        meeting, hi = point, mid
+      else:
+        lo = mid
+    return meeting
 
   def fixed_settings(self, once, running, tune_idx) -> tuple[dict, Point | None]:
     """Per policy, the least-memory default setting meeting the target (None: none does),
@@ -102,29 +108,15 @@ class Search:
     """A running policy that meets the target at a budget, at the least budget that still
     does: the grid's budgets below it from the top down (real runs: each prefills every
     item) until one misses, then two bisection steps between."""
-    missing = None
+    make = lambda rho: CompressionSpec(policy=policy, budget=rho)  # noqa: E731
     for rho in sorted((r for r in self.grid if r < meeting.spec.budget), reverse=True):
-      spec = spec_or_none(lambda r: CompressionSpec(policy=policy, budget=r), rho, self.lengths)
+      spec = spec_or_none(make, rho, self.lengths)
       if spec is None:
         break
       point = self.measure(spec, index)
       if not self.target.meets(point):
-        missing = rho
-        break
+        return self.bisect(make, rho, meeting, index, 2)
       meeting = point
-    if missing is None:
-      return meeting
-    lo, hi = missing, meeting.spec.budget
-    for _ in range(2):
-      mid = round((lo + hi) / 2, 4)
-      spec = spec_or_none(lambda r: CompressionSpec(policy=policy, budget=r), mid, self.lengths)
-      if spec is None:
-        break
-      point = self.measure(spec, index)
-      if self.target.meets(point):
-        meeting, hi = point, mid
-      else:
-        lo = mid
     return meeting
 
   def learned_setting(self, policy, at, tune_idx, steps) -> tuple[Point | None, dict]:

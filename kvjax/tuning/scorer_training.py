@@ -23,6 +23,8 @@ import optax
 from flax import nnx
 
 from kvjax.eval._data import text_windows
+from kvjax.eviction.sliding import in_window
+from kvjax.seam import ModelShape
 from kvjax.policies.learned import Scorer, normalise
 from kvjax.fingerprint import model_fingerprint
 from kvjax.runtime.session import context_scores
@@ -40,14 +42,14 @@ def _hidden_states(params, ids, *, graphdef):
   model = nnx.merge(graphdef, params)
   t = ids.shape[1]
   behind = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # [T, S]
-  windows = jnp.asarray(_windows(model), jnp.int32)
+  windows = jnp.asarray(ModelShape.of(model).layer_windows, jnp.int32)
 
   def attend(q, k, v, record, layer):  # q [1, T, Hq, D], k/v [1, T, Hkv, D]
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
     window = windows[layer]  # a sliding layer's query sees only its window
-    seen = (behind >= 0) & ((window == 0) | (behind < window))
+    seen = in_window(behind, window)
     probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs, v).astype(q.dtype), record
 
@@ -62,15 +64,10 @@ def _hidden_states(params, ids, *, graphdef):
   return record
 
 
-def _windows(model) -> tuple[int, ...]:
-  """Each layer's sliding window (0: a full layer), as the seam reads them."""
-  return tuple(getattr(model.config, "layer_windows", None) or (0,) * model.config.n_layers)
-
-
 def full_layers(model) -> np.ndarray:
   """[L] the layers a scorer ranks: a sliding layer holds its window, no policy scores it
   (its targets are 0 and its weights stay 0)."""
-  return np.asarray([w == 0 for w in _windows(model)])
+  return np.asarray([w == 0 for w in ModelShape.of(model).layer_windows])
 
 
 def training_pairs(
