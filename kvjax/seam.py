@@ -177,7 +177,7 @@ def _layer_attention(model, policy: Policy | None, reads: frozenset, attention_i
       if want_key_max:  # from the lse of the attention just run: one more QK^T per block
         key_max = paged_attention_key_max(
             q, cache.k_pages, cache.page_table[layer], cache.length[layer], num_new, lse,
-            window=window,
+            window=window, before_chunk=True,
         )  # fmt: skip
       stats = AttentionStats(
           layer if cache.mesh is None else jnp.asarray(layer),

@@ -256,20 +256,25 @@ def test_live_blocks_match_the_reference_with_nan_poisoned_pool(
 def _key_max_cases():
   """Layouts x windows x block sizes; one of each by default, the product under -m slow."""
   cases = []
-  for i, (ps, g, lengths, t, window, bt) in enumerate(
-      itertools.product((1, 4), (1, 3), ([3, 9], [13, 1, 8]), (1, 3), (0, 5), (4, 256))
+  for i, (ps, g, lengths, t, window, bt, before) in enumerate(
+      itertools.product(
+          (1, 4), (1, 3), ([3, 9], [13, 1, 8]), (1, 3), (0, 5), (4, 256), (False, True)
+      )
   ):
     marks = () if i % 11 == 0 else (pytest.mark.slow,)
-    cases.append(pytest.param(ps, g, lengths, t, window, bt, marks=marks))
+    cases.append(pytest.param(ps, g, lengths, t, window, bt, before, marks=marks))
   return cases
 
 
-@pytest.mark.parametrize("page_size, group, lengths, t, window, block_tokens", _key_max_cases())
+@pytest.mark.parametrize(
+    "page_size, group, lengths, t, window, block_tokens, before_chunk", _key_max_cases()
+)
 def test_key_max_is_the_largest_probability_a_kv_heads_live_queries_pay(
-    page_size, group, lengths, t, window, block_tokens
+    page_size, group, lengths, t, window, block_tokens, before_chunk
 ):
   """Exactly the max, over each kv head's query heads and its live queries, of the
-  reference's per-head probabilities; NaN in every page a sequence does not own never
+  reference's per-head probabilities (with `before_chunk`, on the slots cached before the
+  queries' chunk, 0 on the chunk's own); NaN in every page a sequence does not own never
   reaches it; padding queries (a row with fewer) pay nothing."""
   from pallas_kernels.paged_attention import (
       paged_attention_key_max,
@@ -283,13 +288,18 @@ def test_key_max_is_the_largest_probability_a_kv_heads_live_queries_pay(
   num_queries[-1] = 1  # a row with padding queries when t > 1
   args = tuple(map(jnp.asarray, (q, k_pages, v_pages, table, lens, num_queries)))
   _, lse = paged_attention_live_blocks(*args, window=window)
-  key_max = jax.jit(paged_attention_key_max, static_argnames="block_tokens")(
-      args[0], args[1], args[3], args[4], args[5], lse, block_tokens=block_tokens, window=window
-  )
+  key_max = jax.jit(paged_attention_key_max, static_argnames=("block_tokens", "before_chunk"))(
+      args[0], args[1], args[3], args[4], args[5], lse, block_tokens=block_tokens,
+      window=window, before_chunk=before_chunk,
+  )  # fmt: skip
   _, probs = paged_attention_reference(*args, per_query_head=True, window=window)
   b, hq, tt, n = probs.shape
   live = (np.arange(tt)[None, :] < num_queries[:, None])[:, None, :, None]
   expected = np.where(live, np.asarray(probs), 0.0).reshape(b, hkv, group * tt, n).max(axis=2)
+  if before_chunk:  # [B, Hkv, N]: the slots cached before each row's chunk
+    cached = np.asarray(lens) - num_queries[:, None]
+    expected = np.where(np.arange(n) < cached[..., None], expected, 0.0)
+    assert (expected > 0).any() and (expected == 0).any()
   assert key_max.shape == (b, hkv, n) and not np.isnan(np.asarray(key_max)).any()
   np.testing.assert_allclose(key_max, expected, rtol=1e-5, atol=1e-6)
 

@@ -63,8 +63,9 @@ class AttentionStats:
   # the optional seam method `model.head_output_gram(layer)`, when the policy reads
   # "head_output".
   head_output: Float[Array, "Hq D D"] | None = None
-  # The most attention any live query of each kv head's query heads pays each slot (reads
-  # "key_max"): what `head_probs` reduce to for a max, without materialising them.
+  # The most attention any live query of each kv head's query heads pays each slot cached
+  # before the chunk (reads "key_max"; 0 for the chunk's own slots, which a KVzip pass cuts
+  # afterwards): what `head_probs` reduce to for a max there, without materialising them.
   key_max: Float[Array, "B Hkv N"] | None = None
 
 
