@@ -193,8 +193,8 @@ def paged_attention_lse_reference(
 
 LIVE_BLOCK_TOKENS = 512  # tokens per step of the live-blocks loop (256: 5-15% slower on CPU)
 # key_max's loop keeps no softmax state: smaller blocks waste less past the last slot it
-# scores (a KVzip pass of 528 queries over 528 context slots, one layer on a 2-core AMD EPYC:
-# 4.9 ms at 256 against 6.8 ms at 512, medians of 15).
+# scores (one layer of a KVzip pass, 528 queries after 528 context slots, before_chunk, 2-core
+# AMD EPYC: 5.4 ms at 256 against 8.4 ms at 512, medians of 15; docs/results/compression_cost).
 KEY_MAX_BLOCK_TOKENS = 256
 
 
@@ -337,9 +337,9 @@ def paged_attention_key_max(
   they are masked before the max; a visible NaN stays NaN.
 
   `before_chunk`: only the slots cached before the queries' chunk (`lengths -
-  num_queries`), 0 for the chunk's own, whose blocks are then not read: a KVzip pass scores
-  the context it repeats and cuts its own tokens afterwards (in a 528-token pass over a
-  528-slot stretch this halves the blocks read)."""
+  num_queries`), 0 for the chunk's own; blocks past the last such slot are not read: a
+  KVzip pass scores the context it repeats and cuts its own tokens afterwards (a 528-token
+  pass after a 528-slot stretch scores half the slots: 3 blocks of 256 read instead of 5)."""
   validate_paged_attention_args(q, k_pages, k_pages, page_table, lengths, num_queries)
   q, page_table, lengths, lse = map(jnp.asarray, (q, page_table, lengths, lse))
   b, t, hq, _ = q.shape
