@@ -201,6 +201,8 @@ KEY_MAX_BLOCK_TOKENS = 256
 def _blocks_of(page_table, page_size: int, block_tokens: int):
   """How the live-blocks loops walk a page table: (pages per block, blocks, slots per
   block, the table padded to whole blocks with the null page, which is in range)."""
+  if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+    raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
   m = page_table.shape[2]
   ppb = max(1, min(block_tokens // page_size, m))
   blocks = -(-m // ppb)
@@ -244,8 +246,6 @@ def paged_attention_live_blocks(
   query's window are not read.
   """
   validate_paged_attention_args(q, k_pages, v_pages, page_table, lengths, num_queries)
-  if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-    raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
   q, page_table, lengths = map(jnp.asarray, (q, page_table, lengths))
   k_pages, v_pages = (jax.tree.map(jnp.asarray, x) for x in (k_pages, v_pages))
   b, t, hq, d = q.shape
@@ -346,6 +346,8 @@ def paged_attention_key_max(
   _, hkv, m = page_table.shape
   if lse.shape != (b, t, hq):
     raise ValueError(f"lse must be [B, T, Hq] = {(b, t, hq)}, got {lse.shape}")
+  if not isinstance(before_chunk, bool):
+    raise TypeError(f"before_chunk must be a bool, got {before_chunk!r}")
   s, g = k_pages.shape[1], hq // hkv
   ppb, blocks, width, table = _blocks_of(page_table, s, block_tokens)
   num_queries = jnp.full((b,), t, jnp.int32) if num_queries is None else num_queries

@@ -313,6 +313,24 @@ def test_key_max_checks_the_lse_shape():
     paged_attention_key_max(q, k_pages, table, lengths, None, np.zeros((1, 4), np.float32))
 
 
+@pytest.mark.parametrize(
+    "option, error, match",
+    [
+        ({"block_tokens": 0}, ValueError, "block_tokens must be an int >= 1, got 0"),
+        ({"block_tokens": 2.5}, ValueError, "block_tokens must be an int >= 1, got 2.5"),
+        ({"before_chunk": "yes"}, TypeError, "before_chunk must be a bool, got 'yes'"),
+    ],
+)
+def test_key_max_rejects_bad_options(option, error, match):
+  from pallas_kernels.paged_attention import paged_attention_key_max
+
+  q, k_pages = np.zeros((1, 2, 4, 8), np.float32), np.zeros((3, 4, 8), np.float32)
+  table, lengths = np.ones((1, 2, 2), np.int32), np.full((1, 2), 4, np.int32)
+  lse = np.zeros((1, 2, 4), np.float32)
+  with pytest.raises(error, match=match):
+    paged_attention_key_max(q, k_pages, table, lengths, None, lse, **option)
+
+
 def test_live_blocks_read_only_live_blocks():
   """The loop's trip count is the live blocks: NaN in every block past the longest
   sequence (even in pages the table points at) never reaches the output."""
