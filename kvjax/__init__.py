@@ -3,7 +3,8 @@
 The session API (any model with the seam of `kvjax.seam`):
 
     spec = kvjax.CompressionSpec(policy="h2o", budget=512)
-    state = kvjax.prefill(model, prompts, spec, tokenizer=tokenizer)
+    state = kvjax.prefill(model, [document], spec, tokenizer=tokenizer, chat=True)
+    _, answer = kvjax.ask(model, tokenizer, state, ["Who wrote it?"], chat=True)
     state, result = kvjax.decode(model, state, max_new_tokens=32)
     state = kvjax.extend(model, state, follow_ups)
     a, b = kvjax.fork(state, 2)
@@ -12,7 +13,7 @@ The session API (any model with the seam of `kvjax.seam`):
     kvjax.tune(model, tokenizer, text=sample, target="kl=0.05").write("tuned")
     spec = kvjax.load_spec("tuned/tuned.json", model)   # the setting kvjax chose
 
-`kvjax.generate` does prefill + decode in one call; the cache primitives below (`init_cache`,
+`kvjax.generate` does prefill + ask (or decode) in one call; the cache primitives below (`init_cache`,
 `append`, `evict`) are the layer underneath.
 """
 
@@ -36,9 +37,17 @@ from kvjax.cache import (
 from kvjax.eviction import evict, protection_mask
 from kvjax.persistence import StateFileError, load_state, save_state, state_info
 from kvjax.runtime.compilation import compile_stats
-from kvjax.runtime.generation import Generation, GenerationResult, TokenEvent, generate
+from kvjax.runtime.generation import (
+    CompressionSkipped,
+    Generation,
+    GenerationResult,
+    TokenEvent,
+    ask,
+    generate,
+)
 from kvjax.runtime.prompts import Segment
 from kvjax.runtime.sampling import Sampling
+from kvjax.runtime.tokenizer import TokenizerLike, as_tokenizer
 from kvjax.runtime.session import decode, extend, fork, prefill
 from kvjax.runtime.state import DecodeResult, State
 from kvjax.seam import ModelShape
@@ -49,6 +58,7 @@ from kvjax.tuning import load_spec, tune
 __all__ = [
     "CacheConfig",
     "CacheError",
+    "CompressionSkipped",
     "CompressionSpec",
     "DecodeResult",
     "Generation",
@@ -61,11 +71,14 @@ __all__ = [
     "Segment",
     "Slot",
     "StateFileError",
+    "TokenizerLike",
     "State",
     "Status",
     "TokenEvent",
     "append",
     "append_layer",
+    "as_tokenizer",
+    "ask",
     "check_status",
     "compile_stats",
     "decode",

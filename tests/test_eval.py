@@ -215,27 +215,23 @@ def test_multi_question_prefills_once_and_answers_every_question_from_that_state
     model, tokenizer, text_ids, monkeypatch
 ):
   prefilled, asked = [], []
-  real_prefill, real_extend = _answers.prefill, _answers.extend
+  real_prefill = _answers.prefill
 
   def prefill(*args, **kwargs):
     prefilled.append(real_prefill(*args, **kwargs))
     return prefilled[-1]
 
-  def extend(model, state, prompts, donate=False):
-    [[question]] = prompts
-    asked.append((state, donate, tokenizer.decode(list(question.text))))
-    return real_extend(model, state, prompts, donate=donate)
-
-  def decode(model, state, max_new_tokens, **kwargs):
+  def ask(model, tokenizer, state, questions, *, max_new_tokens, donate=False, **kwargs):
     # A stub model: right about the facts in the first half of the context only.
+    [question] = questions
+    asked.append((state, donate, tokenizer.decode(list(question))))
     subject = re.search(r"code of the (.+?)\?", asked[-1][2]).group(1)
     fact = next(f for c in cases for f in c["facts"] if f["subject"] == subject)
     reply = f"It is {fact['answer']}." if fact["depth"] < 0.5 else "I do not know, 12345."
-    return state, types.SimpleNamespace(tokens=[tokenizer.encode(reply)])
+    return state, types.SimpleNamespace(texts=[reply], tokens=[tokenizer.encode(reply)])
 
   monkeypatch.setattr(_answers, "prefill", prefill)
-  monkeypatch.setattr(_answers, "extend", extend)
-  monkeypatch.setattr(_answers, "decode", decode)
+  monkeypatch.setattr(_answers, "kvjax_ask", ask)
   # One trial, so that every subject names one fact.
   cases = _tasks.multi_question_cases(tokenizer, text_ids, 300, facts=4, trials=1)
   r = E.multi_question(model, tokenizer, text_ids, context_tokens=300, facts=4, trials=1)

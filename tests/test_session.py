@@ -140,7 +140,7 @@ def test_ragged_extend_leaves_rows_without_new_tokens_alone(tiny):
         (lambda m, s: kvjax.decode(m, s, 2, stop_tokens=[[1, 2]]), ValueError, "stop_tokens must"),
         (lambda m, s: kvjax.prefill(m, [[1]], progress=3), TypeError, "progress must be a"),
         (lambda m, s: kvjax.prefill(m, [[1, 2]], "h2o"), TypeError, "spec must be a kvjax"),
-        (lambda m, s: kvjax.prefill(m, ["text"]), ValueError, "pass tokenizer="),
+        (lambda m, s: kvjax.prefill(m, ["text"]), TypeError, "pass tokenizer="),
         (lambda m, s: kvjax.prefill(object(), [[1]]), TypeError, "is not a kvjax model"),
     ],
 )

@@ -113,3 +113,16 @@ def min_budget(page_size: int, sink: int, recent: int, group_size: int) -> int:
   # Block eviction keeps every page that touches the sink or the recent window, plus the
   # partially filled tail page.
   return (pages_for(sink, page_size) + pages_for(recent, page_size) + 1) * page_size
+
+
+def full_cache_bytes(lengths, windows, *, kv_heads: int, page_size: int, page_bytes: int) -> int:
+  """Bytes of K/V the full cache holds after reading `lengths` tokens per row (ints): every
+  kv head of a full layer (window 0) holds them all, a sliding layer what its window has not
+  passed (`passed_pages`), in whole pages of `page_bytes` (K and V of one kv head's page), as
+  `PagedKVCache.kv_bytes` counts them: what compression's savings are measured against."""
+  total = 0
+  for n in np.asarray(lengths, np.int64).reshape(-1):
+    for window in windows:
+      held = n - passed_pages(n, window, page_size) * page_size if window else n
+      total += pages_for(int(held), page_size)
+  return int(total) * kv_heads * page_bytes

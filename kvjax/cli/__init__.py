@@ -36,6 +36,7 @@ def main(argv=None) -> int:
   fails (KVJAX_DEBUG=1 shows the traceback)."""
   args = build_parser().parse_args(argv)
   args.work_began = False  # set by common.begin_work
+  _one_line_warnings(args.command)
   try:
     return args.func(args)
   except KeyboardInterrupt:
@@ -54,6 +55,15 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     return EXIT_FAILED
+
+
+def _one_line_warnings(command: str) -> None:
+  """Warnings (compression skipped, protected tokens over the budget) as one line each on
+  stderr, each message once per run (a decode loop meets the same one at every call)."""
+  import warnings
+
+  warnings.simplefilter("once")
+  warnings.formatwarning = lambda message, *_, **__: f"kvjax {command}: warning: {message}\n"
 
 
 if __name__ == "__main__":

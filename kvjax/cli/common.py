@@ -96,12 +96,17 @@ def show_progress(args) -> bool:
   return not args.quiet and sys.stderr.isatty()
 
 
-def prefill_bar(args):
-  """A progress callback for long prefills (a bar on stderr), or None."""
+def prefill_bar(args, spec=None):
+  """A progress callback for long prefills (a bar on stderr), or None. The bar covers what
+  `progress` counts: the context read and, for a policy that compresses it once (`spec`),
+  its scoring too (kvzip's reconstruction passes, expected_attention's pass over the keys),
+  so it ends when the context is ready to compress; its label says which."""
   if not show_progress(args):
     return None
   from tqdm.auto import tqdm
 
+  scores_once = spec is not None and spec.once
+  label = "reading + scoring" if scores_once else "reading"
   bar = None
 
   def progress(done, total):
@@ -109,12 +114,60 @@ def prefill_bar(args):
     if total < 1024:  # short prompts prefill in about a second: no bar
       return
     if bar is None:
-      bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr)
+      bar = tqdm(total=total, desc=label, unit="tok", leave=False, file=sys.stderr)
     bar.update(done - bar.n)
     if done >= total:
       bar.close()
 
   return progress
+
+
+def read_text_file(path: str) -> str:
+  """A UTF-8 text file given on the command line (size-bounded, not binary)."""
+  from kvjax.eval import _data
+
+  return _data.read_text(path)
+
+
+def read_stdin() -> str:
+  """UTF-8 text from stdin (size-bounded, not binary)."""
+  from kvjax.eval import _data
+
+  return _data.read_stream(sys.stdin.buffer, "stdin")
+
+
+def mib(num_bytes: int) -> str:
+  """Bytes in MiB, with two decimals under 1 MiB."""
+  value = num_bytes / 2**20
+  return f"{value:.2f}" if value < 1 else f"{value:.1f}"
+
+
+def tokens_part(stats: dict, row: int = 0) -> str:
+  """`21 context + 16 question + 7 generated tokens` (or `37 prompt + ...`) of one row."""
+  generated = stats["generated_tokens"][row]
+  question = (stats.get("question_tokens") or [0] * (row + 1))[row]
+  if question:
+    read = f"{stats['context_tokens'][row]} context + {question} question"
+  else:
+    read = f"{stats['prompt_tokens'][row]} prompt"
+  return f"{read} + {generated} generated tokens"
+
+
+def kv_parts(stats: dict) -> list[str]:
+  """`KV held 16.7 of 64.7 MiB (26%)`: the K/V held once the prompt is read against what
+  the full cache holds for the same tokens, then the peak where it is higher (while the
+  context was read or scored, or while decoding)."""
+  held, full = stats["kv_bytes_held"], stats["full_kv_bytes"]
+  parts = [f"KV held {mib(held)} of {mib(full)} MiB ({held / max(full, 1):.0%})"]
+  context_peak = stats.get("context_peak_kv_bytes") or 0
+  peak = max(context_peak, stats.get("peak_kv_bytes") or 0)
+  if peak > held and mib(peak) != mib(held):
+    if peak == context_peak:
+      where = "while scoring" if stats.get("compressed_once") else "while reading"
+    else:
+      where = "while decoding"
+    parts.append(f"peak {mib(peak)} MiB {where}")
+  return parts
 
 
 def print_summary(*parts: str) -> None:

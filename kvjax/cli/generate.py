@@ -32,8 +32,20 @@ def _add_generate_parser(subparsers) -> None:
   gen = subparsers.add_parser(
       "generate", help=f"generate text with a model (default: {DEFAULT_MODEL})"
   )
-  gen.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' reads it from stdin")
+  gen.add_argument(
+      "prompt",
+      nargs="?",
+      default=None,
+      help="the prompt ('-' reads it from stdin); with --context, the question about it",
+  )
   gen.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+  gen.add_argument(
+      "--context",
+      default=None,
+      metavar="FILE",
+      help="a UTF-8 document the prompt asks about ('-' reads stdin): it is read and "
+      "compressed, then the question is read after it, never evicted",
+  )
   gen.add_argument(
       "--quiet", action="store_true", help="no progress bar (none either when stderr is not a tty)"
   )
@@ -88,15 +100,23 @@ def _read_prompt(args) -> str:
   if (args.prompt is None) == (args.prompt_file is None):
     given = "neither was given" if args.prompt is None else "both were given"
     raise ValueError(f"give a PROMPT ('-' reads stdin) or --prompt-file FILE ({given})")
+  if args.prompt == "-" and args.context == "-":
+    raise ValueError("only one of PROMPT and --context can read stdin ('-')")
   if args.prompt_file is not None:
-    from kvjax.eval import _data
-
-    return _data.read_text(args.prompt_file)
+    return common.read_text_file(args.prompt_file)
   if args.prompt == "-":
-    from kvjax.eval import _data
-
-    return _data.read_stream(sys.stdin.buffer, "stdin")
+    return common.read_stdin()
   return check_text(args.prompt, "the prompt")
+
+
+def _read_context(args) -> str | None:
+  """--context's document (stdin for '-'), or None."""
+  if args.context is None:
+    return None
+  text = common.read_stdin() if args.context == "-" else common.read_text_file(args.context)
+  if not text.strip():
+    raise ValueError(f"--context {args.context} is empty")
+  return text
 
 
 def _generate(args) -> int:
@@ -118,23 +138,24 @@ def _generate(args) -> int:
   prompt = _read_prompt(args)
   if not prompt.strip():
     raise ValueError("the prompt is empty")
+  context = _read_context(args)
   model, tokenizer = common.load_model(args.model)
   check_spec_model(args, model, spec)
   options = dict(
+      context=context,
       max_new_tokens=args.max_new_tokens,
       sampling=sampling,
       chat=common.wants_chat(args, tokenizer),
       seed=args.seed,
-      progress=common.prefill_bar(args),
+      progress=common.prefill_bar(args, spec),
       mesh=mesh,
   )
   # A stream checks its arguments against the model (its context length) when it is made
-  # and runs nothing until it is read.
-  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=True, **options)
+  # and runs nothing until it is read; --json decodes all tokens in one call.
+  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=not args.json, **options)
   common.begin_work(args)
   if args.json:
-    # Not the stream: --json decodes all tokens in one call, the stream one by one.
-    result = kvjax.generate(model, tokenizer, [prompt], spec, **options)
+    result = generation
     print(
         json.dumps(
             {
@@ -152,11 +173,10 @@ def _generate(args) -> int:
   print()
   stats = generation.result.stats
   common.print_summary(
-      f"{stats['prompt_tokens'][0]} prompt + {stats['generated_tokens'][0]} generated tokens",
-      f"{stats['kept_fraction'][0]:.0%} of the prompt's KV kept",
+      common.tokens_part(stats),
+      *common.kv_parts(stats),
       f"prefill {stats['prefill_seconds']:.2f} s",
       f"decode {stats['decode_tokens_per_s']:.1f} tokens/s (streaming)",
-      f"peak KV {stats['peak_kv_bytes'] / 2**20:.1f} MiB",
   )
   return 0
 

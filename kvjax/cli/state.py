@@ -71,9 +71,10 @@ def _prefill_and_save(args) -> int:
   import pathlib
 
   import kvjax
-  from kvjax.eval import _data, context_prompt
-
+  from kvjax.runtime.generation import held_stats
+  from kvjax.runtime.prompts import context_prompt
   from kvjax.runtime.sampling import check_seed
+  from kvjax.seam import ModelShape
 
   spec = spec_from_args(args)
   if args.reserve < 0:
@@ -86,7 +87,7 @@ def _prefill_and_save(args) -> int:
     raise ValueError(f"--save {save} holds a saved state; pass --overwrite to replace it")
   if save.exists() and not save.is_dir():
     raise ValueError(f"--save {save} exists and is not a directory")
-  text = _data.read_text(args.context)
+  text = common.read_text_file(args.context)
   if not text.strip():
     raise ValueError(f"--context {args.context} is empty")
   model, tokenizer = common.load_model(args.model)
@@ -108,7 +109,7 @@ def _prefill_and_save(args) -> int:
       tokenizer=tokenizer,
       reserve=args.reserve,
       seed=args.seed,
-      progress=common.prefill_bar(args),
+      progress=common.prefill_bar(args, spec),
   )
   prefill_seconds = time.perf_counter() - start
   start = time.perf_counter()
@@ -123,8 +124,8 @@ def _prefill_and_save(args) -> int:
   )
   stats = {
       "context_tokens": len(tokens),
-      "kv_bytes": state.kv_bytes(),
-      "full_kv_bytes": len(tokens) * state.cache.token_bytes,
+      **held_stats(state, ModelShape.of(model)),
+      "compressed_once": spec.once,
       # The version just saved (the directory also keeps the one it replaced, until the next).
       "disk_bytes": sum(
           f.stat().st_size
@@ -138,9 +139,9 @@ def _prefill_and_save(args) -> int:
     print(json.dumps({"path": str(save), "spec": spec.to_dict(), "stats": stats}))
   common.print_summary(
       f"{stats['context_tokens']} context tokens",
-      f"KV {stats['kv_bytes'] / 2**20:.1f} MiB of {stats['full_kv_bytes'] / 2**20:.1f} MiB full",
+      *common.kv_parts(stats),
       f"prefill {prefill_seconds:.2f} s",
-      f"saved {save} ({stats['disk_bytes'] / 2**20:.1f} MiB) in {stats['save_seconds']:.2f} s",
+      f"saved {save} ({common.mib(stats['disk_bytes'])} MiB) in {stats['save_seconds']:.2f} s",
   )
   return 0
 
@@ -149,10 +150,16 @@ def _ask(args) -> int:
   """Answers questions from a state saved by `kvjax prefill`, without reading the context
   again."""
   import json
+  import os
 
   import kvjax
-  from kvjax.eval import _data, answer_from_state
+  from kvjax.eval import _data
 
+  if args.question is None and args.jsonl is None and not os.path.isdir(args.state):
+    raise ValueError(
+        f"the state folder is missing: {args.state!r} is not a directory (kvjax ask STATE "
+        "QUESTION: STATE is the folder kvjax prefill --save wrote)"
+    )
   if (args.question is None) == (args.jsonl is None):
     given = "neither was given" if args.question is None else "both were given"
     raise ValueError(f"give a QUESTION or --jsonl FILE ({given})")
@@ -190,17 +197,23 @@ def _ask(args) -> int:
   chat = bool(saved.get("chat", True))
   for question in questions:
     start = time.perf_counter()
-    text = answer_from_state(
-        model, tokenizer, state, question, max_new_tokens=args.max_new_tokens, chat=chat
+    _, result = kvjax.ask(
+        model, tokenizer, state, [question], chat=chat, max_new_tokens=args.max_new_tokens
     )
     seconds = time.perf_counter() - start
+    text, stats = result.texts[0], result.stats
     if args.json:
       record = {"question": question, "answer": text, "answer_seconds": seconds}
-      record.update(model_seconds=model_seconds, load_seconds=load_seconds)
+      record.update(model_seconds=model_seconds, load_seconds=load_seconds, stats=stats)
       print(json.dumps(record), flush=True)
     else:
       print(text, flush=True)
-    print(f"[answered in {seconds:.2f} s]", file=sys.stderr)
+    common.print_summary(
+        f"{stats['question_tokens'][0]} question + {stats['generated_tokens'][0]} generated "
+        "tokens",
+        *common.kv_parts({**stats, "context_peak_kv_bytes": 0, "peak_kv_bytes": 0}),
+        f"answered in {seconds:.2f} s",
+    )
   return 0
 
 

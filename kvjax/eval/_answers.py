@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvjax.runtime.prompts import Segment, chat_parts
-from kvjax.runtime.session import decode, extend, prefill
+from kvjax.runtime.prompts import chat_parts, context_prompt, encode_question
+from kvjax.runtime.generation import ask as kvjax_ask
+from kvjax.runtime.session import prefill
 from kvjax.spec import CompressionSpec
 
 
@@ -45,21 +46,6 @@ def run_cases(cases: Sequence, fn: Callable, progress: Callable | None = None):
     if progress is not None:
       progress()
   return results, errors
-
-
-# A question to a model read as plain text (a base model, no chat template) is framed as
-# few-shot evaluations of base models frame it, and a built-in task cues the answer with the
-# words its needle uses ("The pass key is"): uncued, a base model tends to continue the
-# document or to start every number with a 1 (Gemma 3 270M: 1 of 6 cases right, cued 6 of 6).
-PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
-
-
-def encode_question(tokenizer, question: str, chat: bool, cue: str = "") -> list[int]:
-  """Token ids of `question` after a context: in the chat template where the model has one
-  (closing the user's message), else as plain text, followed by `cue` if any."""
-  if chat and getattr(tokenizer, "chat_template", None) is not None:
-    return tokenizer.encode("\n\n" + question) + chat_parts(tokenizer, chat)[1]
-  return tokenizer.encode(PLAIN_QUESTION.format(question=question) + (f" {cue}" if cue else ""))
 
 
 def request_tokens(tokenizer, context_ids, questions: Sequence[list[int]], chat: bool) -> int:
@@ -108,35 +94,25 @@ def prefill_context(
   )
 
 
-def context_prompt(tokenizer, context_ids: Sequence[int], chat: bool = True) -> list[Segment]:
-  """The prompt a context is prefilled as, before any question: the chat template's opening
-  (protected: only the context competes for the budget) and the context's ids."""
-  opening, _ = chat_parts(tokenizer, chat)
-  return [Segment(opening, protected=True), Segment(list(context_ids))]
-
-
 def answer_from_state(
     model, tokenizer, state, question: str, *, max_new_tokens: int = 32, chat: bool = True
 ) -> str:
   """Greedy answer to `question` about the context a state holds (prefilled as
   `context_prompt`, e.g. loaded with `kvjax.load_state`); `state` stays valid, so one
-  compressed context answers many questions."""
-  if not isinstance(question, str) or not question.strip():
-    raise ValueError("question must be a non-empty string")
-  question_ids = encode_question(tokenizer, question, chat)
-  return ask(model, tokenizer, state, question_ids, max_new_tokens=max_new_tokens, donate=False)[0]
+  compressed context answers many questions (`kvjax.ask`)."""
+  _, result = kvjax_ask(
+      model, tokenizer, state, [question], chat=chat, max_new_tokens=max_new_tokens
+  )
+  return result.texts[0]
 
 
 def ask(model, tokenizer, state, question_ids, *, max_new_tokens: int, donate: bool):
-  """(greedy answer, peak KV bytes, answer ids) for `question_ids` appended to `state`. The question is
-  protected, so it stays cached while the answer is generated; `donate=False` leaves `state`
-  valid for the next question."""
-  state = extend(model, state, [[Segment(question_ids, protected=True)]], donate=donate)
-  state, result = decode(
-      model, state, max_new_tokens, stop_tokens=tokenizer.eos_ids or (), donate=True
+  """(greedy answer, peak KV bytes, answer ids) for `question_ids` appended to `state`
+  (`kvjax.ask`: the question protected; `donate=False` leaves `state` valid for the next)."""
+  state, result = kvjax_ask(
+      model, tokenizer, state, [question_ids], max_new_tokens=max_new_tokens, donate=donate
   )
-  tokens = result.tokens[0]
-  return tokenizer.decode(tokens, skip_special_tokens=True), state.peak_kv_bytes(), tokens
+  return result.texts[0], state.peak_kv_bytes(), result.tokens[0]
 
 
 def answer_and_peak(

@@ -70,6 +70,18 @@ class EncodedPrompts:
     return out
 
 
+def has_text(prompts) -> bool:
+  """Whether `prompts` (or a context) hold any text to encode (str or a Segment of text),
+  not only token ids; an `EncodedPrompts` is encoded already."""
+  if isinstance(prompts, str):
+    return True
+  if isinstance(prompts, Segment):
+    return isinstance(prompts.text, str)
+  if isinstance(prompts, (EncodedPrompts, np.ndarray)) or not isinstance(prompts, Sequence):
+    return False
+  return any(has_text(p) for p in prompts if not isinstance(p, (int, np.integer)))
+
+
 def check_text(text: str, name: str) -> str:
   """`text` if it can be encoded as UTF-8; a ValueError naming `name` and the offending
   character otherwise (a lone surrogate, e.g. an undecodable byte of a command line)."""
@@ -100,9 +112,10 @@ def encode_prompts(
     allow_empty: bool = False,
     start: bool = True,
 ) -> EncodedPrompts:
-  """Encodes str / token-id (list or 1-D array) / `Segment`-list prompts. With `chat`, the
-  chat template wraps the text and its own tokens (system prompt, role markers) are
-  protected. `allow_empty` lets rows add nothing (a follow-up for some rows only). A text
+  """Encodes str / token-id (list or 1-D array) / `Segment`-list prompts. With `chat`, each
+  text prompt is a context that opens a user message of the chat template (`context_prompt`:
+  the template's opening protected, the context compressible); a question closes it later
+  (`encode_question`, `kvjax.ask`). `allow_empty` lets rows add nothing (a follow-up for some rows only). A text
   prompt that `start`s a sequence begins with the tokenizer's BOS where its `add_bos` says
   so (Gemma's), protected, unless the chat template wrote it; token ids are used as given.
   Prompts encoded already (`generate` checks them before `prefill`) are used as they are."""
@@ -142,10 +155,9 @@ def encode_prompts(
       if chat:
         if tokenizer is None:
           raise ValueError("chat=True needs a tokenizer")
-        marker = "\x00kvjax\x00"
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
-        before, after = rendered.split(marker)
-        pieces = [(before, True, 0), *pieces, (after, True, 0)]
+        if getattr(tokenizer, "chat_template", None) is None:
+          raise ValueError("chat=True: the tokenizer has no chat template (a base model)")
+        pieces = [(chat_parts(tokenizer, True)[0], True, 0), *pieces]
     row_ids, row_protected, row_segment = [], [], []
     for text, is_protected, seg in pieces:
       if isinstance(text, str):
@@ -172,11 +184,95 @@ def encode_prompts(
   return EncodedPrompts(ids, protected, segment)
 
 
+_MARKER = "\x00kvjax\x00"  # stands for a message's content in a rendered template
+
+
+def _render_around(tokenizer, messages, add_generation_prompt=True) -> tuple[str, str]:
+  """The rendered chat template before and after the last message's content, which
+  `messages` gives as `_MARKER`."""
+  rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+  if rendered.count(_MARKER) != 1:
+    raise ValueError("the chat template does not render a message's content as it is given")
+  before, after = rendered.split(_MARKER)
+  return before, after
+
+
 def chat_parts(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
   """Token ids of the chat template before and after the user's message; none where `chat`
   is off or the model has no template (a base model reads the request as plain text)."""
   if not chat or getattr(tokenizer, "chat_template", None) is None:
     return [], []
-  marker = "\x00kvjax\x00"
-  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
+  before, after = _render_around(tokenizer, [{"role": "user", "content": _MARKER}])
   return tokenizer.encode(before), tokenizer.encode(after)
+
+
+def _user_turn_opening(tokenizer) -> str:
+  """The text a chat template writes before a user message's content when the turn before
+  it has closed (ChatML's "<|im_start|>user\\n", Gemma's "<start_of_turn>user\\n"): what sits
+  between an assistant message and the next user message, less what closes the assistant's.
+  "" where the template does not tell them apart."""
+  m1, m2, m3 = (_MARKER.replace("kvjax", f"kvjax{i}") for i in (1, 2, 3))
+  try:
+    turns = [{"role": "user", "content": m1}, {"role": "assistant", "content": m2}]
+    closing = tokenizer.apply_chat_template(turns, add_generation_prompt=False).split(m2)[-1]
+    rendered = tokenizer.apply_chat_template(
+        [*turns, {"role": "user", "content": m3}], add_generation_prompt=False
+    )
+  except ValueError:  # a template that refuses these turns: no opening is told apart
+    return ""
+  between = rendered.split(m2)[-1].split(m3)[0]
+  return between[len(closing) :] if between.startswith(closing) else ""
+
+
+def context_prompt(tokenizer, context, chat: bool) -> list[Segment]:
+  """The prompt a context is read as before its question (`encode_question`): in chat mode the
+  template's opening of a user message (protected: the system prompt and role markers),
+  then the context, which the question closes; else the context alone (a sequence's `<bos>`
+  comes first where the tokenizer starts sequences with one). `context`: text or ids."""
+  ids = tokenizer.encode(check_text(context, "context")) if isinstance(context, str) else context
+  ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+  if not ids:
+    raise ValueError("context is empty")
+  opening, _ = chat_parts(tokenizer, chat)
+  return [Segment(opening, protected=True), Segment(ids)]
+
+
+# A question to a model read as plain text (a base model, no chat template) is framed as
+# few-shot evaluations of base models frame it, and a built-in task cues the answer with the
+# words its needle uses ("The pass key is"): uncued, a base model tends to continue the
+# document or to start every number with a 1 (Gemma 3 270M: 1 of 6 cases right, cued 6 of 6).
+PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
+
+
+def encode_question(tokenizer, question: str, chat: bool, cue: str = "") -> list[int]:
+  """Token ids of `question` after a context (`context_prompt`): in the chat template where
+  the model has one (closing the user's message, then the generation prompt), else as plain
+  text, followed by `cue` if any."""
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError(f"a question must be non-empty text, got {question!r}")
+  check_text(question, "question")
+  if chat and getattr(tokenizer, "chat_template", None) is not None:
+    return tokenizer.encode("\n\n" + question) + chat_parts(tokenizer, chat)[1]
+  return tokenizer.encode(PLAIN_QUESTION.format(question=question) + (f" {cue}" if cue else ""))
+
+
+def chat_request(tokenizer, messages) -> tuple[list[int], list[int]]:
+  """(context ids, question ids) of a chat: the question is the last user message with the
+  template's tokens around it (its turn's opening, its closing) and the generation prompt;
+  the context is everything before it (a system prompt, earlier turns, a `<bos>`). A chat
+  whose last message is not the user's has no question: all of it is context. Read apart,
+  the context may be compressed and the question never is."""
+  if not messages:
+    raise ValueError("messages is empty")
+  *earlier, last = [dict(m) for m in messages]
+  if last.get("role") != "user":
+    text = tokenizer.apply_chat_template([*earlier, last], add_generation_prompt=True)
+    return tokenizer.encode(text), []
+  content = check_text(last.get("content", ""), "the last user message")
+  before, after = _render_around(tokenizer, [*earlier, {"role": "user", "content": _MARKER}])
+  opening = _user_turn_opening(tokenizer)
+  if opening and before.endswith(opening):
+    before, question = before[: len(before) - len(opening)], opening + content + after
+  else:
+    question = content + after
+  return (tokenizer.encode(before) if before else []), tokenizer.encode(question)

@@ -1,9 +1,13 @@
 """The session API: prefill a context, decode, append more tokens, fork, all on one state.
 
-    spec = kvjax.CompressionSpec(policy="h2o", budget=512)
+    spec = kvjax.CompressionSpec(policy="kvzip", budget=0.25)
     state = kvjax.prefill(model, [document], spec, tokenizer=tokenizer, chat=True)
+    _, answer = kvjax.ask(model, tokenizer, state, ["Who wrote it?"], chat=True)  # state kept
+    _, other = kvjax.ask(model, tokenizer, state, ["When?"], chat=True)  # same context
+
+    state = kvjax.prefill(model, [text], spec, tokenizer=tokenizer)      # raw text, continued
     state, result = kvjax.decode(model, state, 32, stop_tokens=tokenizer.eos_ids)
-    follow_up = kvjax.extend(model, state, [question_ids])     # another turn, same cache
+    follow_up = kvjax.extend(model, state, [more_ids])           # more tokens, same cache
     a, b = kvjax.fork(follow_up, 2)                              # two independent copies
 
 A `State` is a pytree (the paged cache, the next-token logits, positions, the sampling key),
@@ -25,7 +29,8 @@ from jaxtyping import Array
 from kvjax.runtime import pool, steps
 from kvjax import sharding as shards
 from kvjax.cache.paged_cache import check_status, init_cache, logical_view, valid_mask
-from kvjax.runtime.prompts import EncodedPrompts, encode_prompts
+from kvjax.runtime.prompts import EncodedPrompts, encode_prompts, has_text
+from kvjax.runtime.tokenizer import tokenizer_for
 from kvjax.runtime.sampling import Sampling, check_seed
 from kvjax.seam import ModelShape, query_heads
 from kvjax.spec import CompressionSpec
@@ -53,8 +58,9 @@ def prefill(
     prompts: per row a str, token ids, or a list of str/`Segment` (marked spans).
     spec: the `CompressionSpec` (default: the full cache).
     tokenizer: encodes text (and the chat template); not needed for token ids.
-    chat: wrap text prompts as a user message in the chat template; the template's own
-      tokens are protected.
+    chat: each text prompt is a context that opens a user message of the chat template
+      (its opening, the system prompt and role markers, protected); `kvjax.ask` closes it
+      with a question, protected from eviction.
     reserve: with the full cache, room for this many more tokens per row before the cache
       grows (each growth re-lays the cache out and compiles new shapes once); clipped to
       the model context.
@@ -170,6 +176,7 @@ def extend(model, state: State, prompts, *, tokenizer=None, donate: bool = False
   if state.cache.mesh is not None:
     _check_placement(model, state.cache.mesh)
   shape = ModelShape.of(model)
+  tokenizer = tokenizer_for(tokenizer, ["text"] if has_text(prompts) else [])
   encoded = encode_prompts(
       tokenizer, prompts, chat=False, vocab_size=shape.vocab_size, allow_empty=True, start=False
   )
@@ -249,9 +256,13 @@ def fork(state: State, num: int | None = None) -> State | list[State]:
   return copies[0] if num is None else copies
 
 
-def begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None) -> Begun:
+def begin(
+    model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None, protected_after: int = 0
+) -> Begun:
   """The first part of `prefill` (its checks; the arguments are `prefill`'s): a new state
-  for `prompts`, nothing read yet, with the cache `spec` plans for them."""
+  for `prompts`, nothing read yet, with the cache `spec` plans for them (and for
+  `protected_after` protected tokens a row appends next: a question read after its context,
+  which eviction must hold beside the budget without growing the pool)."""
   if not isinstance(spec, CompressionSpec):
     raise TypeError(f"spec must be a kvjax.CompressionSpec, got {type(spec).__name__}")
   shape = ModelShape.of(model)
@@ -262,11 +273,13 @@ def begin(model, prompts, spec, tokenizer, chat, reserve, seed, key, mesh=None) 
   if key is None:
     check_seed(seed)
   spec.check_context(shape.max_context)  # before the prompts are encoded (`plan` again)
+  needs = ["text"] * has_text(prompts) + ["chat"] * bool(chat)
+  tokenizer = tokenizer_for(tokenizer, needs)
   encoded = encode_prompts(tokenizer, prompts, chat=chat, vocab_size=shape.vocab_size)
   longest = encoded.longest(shape.max_context)
   reserve = min(reserve, shape.max_context - longest)
   batch = len(encoded.ids)
-  most_protected = max(sum(row) for row in encoded.protected)
+  most_protected = max(sum(row) for row in encoded.protected) + protected_after
   plan = spec.plan(shape, batch=batch, longest=longest, reserve=reserve, protected=most_protected)
   policy = None if plan.eviction is None else plan.eviction.policy
   slots = () if policy is None else policy.slots
