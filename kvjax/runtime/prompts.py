@@ -276,3 +276,21 @@ def chat_request(tokenizer, messages) -> tuple[list[int], list[int]]:
   else:
     question = content + after
   return (tokenizer.encode(before) if before else []), tokenizer.encode(question)
+
+
+def encode_follow_up(tokenizer, question: str) -> list[int]:
+  """Token ids of a next user turn after an answer (the answer's stop token is not cached):
+  the template's closing of the assistant's message and opening of the user's, `question`,
+  then its closing and the generation prompt. Protected like any question (`kvjax.ask`)."""
+  if not isinstance(question, str) or not question.strip():
+    raise ValueError(f"a question must be non-empty text, got {question!r}")
+  check_text(question, "question")
+  m1, m2 = (_MARKER.replace("kvjax", f"kvjax{i}") for i in (1, 2))
+  turns = [
+      {"role": "user", "content": m1},
+      {"role": "assistant", "content": m2},
+      {"role": "user", "content": _MARKER},
+  ]
+  between, after = _render_around(tokenizer, turns)
+  between = between.split(m2)[-1]
+  return tokenizer.encode(between) + tokenizer.encode(question) + tokenizer.encode(after)
