@@ -7,7 +7,10 @@ A policy is a frozen dataclass: `scores` gives one score per cached slot (higher
 `observe` sees each layer's attention, and `slots` declares the per-token arrays the policy
 keeps in the cache (name, dtype, value in an empty slot). The cache allocates them and
 eviction moves them with K/V: nothing outside this file changes. `register` makes a policy
-selectable by name (`kvjax generate --policy vnorm`).
+selectable by name, in Python and on the command line once this file is imported:
+
+    kvjax generate --policy-module examples/custom_policy.py --policy vnorm --budget 64 \
+        --context document.txt "Summarise it in one sentence."
 """
 
 import argparse
@@ -70,10 +73,14 @@ def main(argv=None):
 
     model, tokenizer = models.load_llama()
     chat, budget = True, 64
-  prompt = "Summarise the rules of chess in three sentences. " * 8
+  document = "Chess is played on a board of 64 squares by two players. " * (4 if args.tiny else 8)
+  question = "Summarise the rules of chess in three sentences."
   for policy in ("vnorm", "peak_attention"):
     spec = kvjax.CompressionSpec(policy=policy, budget=budget)
-    result = kvjax.generate(model, tokenizer, [prompt], spec, chat=chat, max_new_tokens=24)
+    # The document is compressed; the question, read after it, never is.
+    result = kvjax.generate(
+        model, tokenizer, [question], spec, context=document, chat=chat, max_new_tokens=24
+    )
     print(f"{policy}: {result.texts[0]!r}")
     print(f"  peak KV {result.stats['peak_kv_bytes'] / 2**20:.2f} MiB at budget {budget}")
 

@@ -50,6 +50,14 @@ def add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str) -> None
         metavar="FILE",
         help="a tuned spec (tuned.json from `kvjax tune`); flags given with it override it",
     )
+    group.add_argument(
+        "--policy-module",
+        default=None,
+        metavar="MODULE",
+        help="import this Python module (a dotted name, or a .py file) before the spec is "
+        "read, so that the policies it registers (kvjax.policies.register) can be named by "
+        "--policy; it is your code and runs as it is",
+    )
   for field in dataclasses.fields(cls):
     meta = dict(field.metadata)
     default = field.default
@@ -59,8 +67,9 @@ def add_dataclass_flags(parser, cls, *, sweep: bool = False, title: str) -> None
       kwargs["metavar"] = "POLICY"
       names = ", ".join(_policy_names()) + (", or 'all'" if sweep else "")
       kwargs["help"] = (
-          f"{meta['help']}; one of {names}, with options after a colon where it has any "
-          f"(kvzip:chunk=256) (default: {'all' if sweep else default})"
+          f"eviction policy: one of {names}, with options after a colon where it has any "
+          f"(kvzip:chunk=256), or one a --policy-module registers; 'full' keeps every token "
+          f"(default: {'all' if sweep else default})"
       )
     elif field.name == "budget":
       kwargs["type"] = parse_budget
@@ -97,6 +106,8 @@ def spec_from_args(args, sweep: bool = False):
   configuration sets, `_PER_CONFIG`)."""
   from kvjax.spec import CompressionSpec
 
+  if getattr(args, "policy_module", None) is not None:
+    import_policy_module(args.policy_module)
   skip = _PER_CONFIG if sweep else ()
   if getattr(args, "spec", None) is None:
     return from_args(CompressionSpec, args, skip=skip)
@@ -107,6 +118,34 @@ def spec_from_args(args, sweep: bool = False):
   if "policy" in given and given["policy"] != tuned.policy.name:
     given.setdefault("allocation", None)  # learned on the tuned policy's scores
   return tuned.replace(**given)
+
+
+def import_policy_module(name: str) -> None:
+  """Imports `name` (a dotted module name, or the path of a .py file) for the policies it
+  registers; ValueError naming it when it cannot be found (its own errors propagate)."""
+  import importlib
+  import importlib.util
+  import pathlib
+  import sys
+
+  if name.endswith(".py"):
+    path = pathlib.Path(name)
+    if not path.is_file():
+      raise ValueError(f"--policy-module {name}: no such file")
+    spec = importlib.util.spec_from_file_location(f"kvjax_policy_module_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return
+  try:
+    importlib.import_module(name)
+  except ModuleNotFoundError as err:
+    if err.name and name.startswith(err.name):
+      raise ValueError(
+          f"--policy-module {name}: no such module (give a dotted module name on the Python "
+          "path, or a .py file)"
+      ) from None
+    raise
 
 
 def check_spec_model(args, model, *specs) -> None:
