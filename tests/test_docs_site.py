@@ -110,6 +110,22 @@ def test_every_guide_is_in_the_nav():
   assert guides - in_nav == set(), f"docs pages missing from mkdocs.yml's nav: {guides - in_nav}"
 
 
+def test_no_guide_links_a_folder():
+  """A link to a folder of docs/ has no page on the built site (mkdocs serves pages and
+  files, not listings): a guide links the file a reader should open."""
+  import re
+
+  folders = []
+  for page in sorted((ROOT / "docs").glob("*.md")):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(\s*<?([^)\s>]+)>?\)", text):
+      if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+        continue
+      if (page.parent / target.split("#", 1)[0]).is_dir():
+        folders.append(f"{page.name}: {target}")
+  assert not folders, f"guides link folders, which 404 on the site: {folders}"
+
+
 def test_every_public_name_is_in_the_reference(site):
   documented = _inventory(site)
   missing, without_all = [], []
