@@ -13,7 +13,7 @@ import pytest
 import kvjax
 from kvjax.cache.paged_cache import logical_view, valid_mask
 from kvjax.cli import common
-from kvjax.runtime import generation
+from kvjax.runtime import generation, prompts
 from kvjax.runtime.prompts import chat_request
 from kvjax.testing import ByteTokenizer, tiny_llama
 from models import load_llama
@@ -91,7 +91,7 @@ FAST = {("h2o", 16), ("kvzip", 0.25)}
 def test_the_question_survives_compression_and_decoding(tiny, policy, budget):
   model, tok = tiny
   spec = kvjax.CompressionSpec(policy=policy, budget=budget)
-  request = generation._request(tok, [QUESTION], None, True, model.config.vocab_size)
+  request = prompts.encode_request(tok, [QUESTION], None, True, model.config.vocab_size)
   context = int(request.context.lengths[0])
   asked = range(context, int(request.lengths[0]))
   assert len(asked) == len(f"<user>\n{QUESTION}</>\n<assistant>\n")
@@ -144,7 +144,7 @@ def test_generate_with_a_context_is_prefill_then_ask(tiny, policy, budget):
       [
           [
               kvjax.Segment(
-                  generation.encode_question(tok, "What is the pass key?", True), protected=True
+                  prompts.encode_question(tok, "What is the pass key?", True), protected=True
               )
           ]
       ],
@@ -159,7 +159,7 @@ def test_generate_with_a_context_is_prefill_then_ask(tiny, policy, budget):
       [
           [
               kvjax.Segment(
-                  generation.encode_question(tok, "What is the pass key?", True), protected=True
+                  prompts.encode_question(tok, "What is the pass key?", True), protected=True
               )
           ]
       ],
@@ -189,7 +189,7 @@ def test_a_budget_that_cannot_save_a_page_runs_the_full_cache_and_says_so(tiny):
 
 def test_raw_text_is_all_context_and_token_ids_need_no_tokenizer(tiny):
   model, tok = tiny
-  request = generation._request(tok, ["abc " * 30], None, False, model.config.vocab_size)
+  request = prompts.encode_request(tok, ["abc " * 30], None, False, model.config.vocab_size)
   assert request.question is None
   ids = kvjax.generate(model, None, [[5, 6, 7] * 20], max_new_tokens=3, stop_tokens=())
   assert ids.texts is None and len(ids.tokens[0]) == 3
@@ -228,7 +228,7 @@ def smollm():
 def _answers_paris(smollm, policy, budget):
   model, tok = smollm
   spec = kvjax.CompressionSpec(policy=policy, budget=budget)
-  request = generation._request(tok, [QUESTION], None, True, model.config.vocab_size)
+  request = prompts.encode_request(tok, [QUESTION], None, True, model.config.vocab_size)
   asked = range(int(request.context.lengths[0]), int(request.lengths[0]))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")

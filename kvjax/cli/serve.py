@@ -2,10 +2,15 @@
 
 kvjax serve --policy h2o --budget 256 --kv-memory 64MiB     # 127.0.0.1:8000, no keys
 kvjax serve --api-keys keys.txt --host 0.0.0.0 --port 8000  # one tenant per key
+
+It tells its operator what it does on stderr (logger "kvjax.serve", `--log-level`): a line
+when it listens (the model, the compression, the memory, the rows, the keys, the address),
+one per request when it ends, one when it stops.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -53,6 +58,29 @@ def read_api_keys(path: str) -> set[str]:
   return keys
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_to_stderr(level: str) -> logging.Logger:
+  """The "kvjax.serve" logger (the engine's "kvjax.serve.engine" under it) on stderr at
+  `level`, one line a record."""
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+  log = logging.getLogger("kvjax.serve")
+  log.handlers = [handler]
+  log.setLevel(level.upper())
+  log.propagate = False
+  return log
+
+
+def _size(n: int) -> str:
+  """Bytes as the --kv-memory flag takes them: 64MiB, 1.5GiB, 1000B."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.4g}{unit}"
+  return f"{n}B"
+
+
 def add_parsers(subparsers) -> None:
   import kvjax
 
@@ -96,11 +124,26 @@ def add_parsers(subparsers) -> None:
   serve.add_argument(
       "--context-quota", default="256MiB", help="bytes of contexts per tenant (default: 256MiB)"
   )
+  serve.add_argument(
+      "--temperature",
+      type=float,
+      default=None,
+      help="the temperature of requests that give none (default: OpenAI's 1.0; 0: greedy)",
+  )
+  serve.add_argument(
+      "--log-level",
+      choices=LOG_LEVELS,
+      default="info",
+      help="what the server logs on stderr: info, a line when it listens, one per request "
+      "when it ends and one when it stops; warning and error, failed requests (5xx) only; "
+      "debug adds the engine's admissions (default: info)",
+  )
   add_dataclass_flags(serve, kvjax.CompressionSpec, title="compression (the server's default spec)")
   serve.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
+  from kvjax.runtime.sampling import TEMPERATURE_MAX
   from kvjax.serving import Engine, EngineConfig
   from kvjax.serving._contexts import ContextStore
   from kvjax.serving.http import make_app, serve
@@ -112,6 +155,9 @@ def _serve(args) -> int:
     raise ValueError(f"--context-ttl must be > 0 seconds, got {args.context_ttl}")
   if not 0 <= args.port <= 65535:
     raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+  temperature = 1.0 if args.temperature is None else args.temperature
+  if not 0 <= temperature <= TEMPERATURE_MAX:  # NaN fails too
+    raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
   keys = read_api_keys(args.api_keys) if args.api_keys is not None else None
   config = EngineConfig(
       rows=args.rows, kv_memory=kv_memory, max_tokens=args.max_tokens, queue=args.queue
@@ -129,11 +175,31 @@ def _serve(args) -> int:
     contexts = ContextStore(directory, model, tokenizer, ttl=args.context_ttl, quota=quota)
   name = os.path.basename(os.fspath(args.model)).removesuffix(".gguf")
   common.begin_work(args)
+  log = _log_to_stderr(args.log_level)
   engine.start()
-  app = make_app(engine, model_name=name, api_keys=keys, contexts=contexts)
+  app = make_app(
+      engine, model_name=name, api_keys=keys, contexts=contexts, default_temperature=temperature
+  )
+  compression = "the full cache" if not spec.evicts else f"{spec.policy.name}, budget {spec.budget}"
+  tenants = "none (one local tenant)" if keys is None else f"{len(keys)} (a tenant each)"
 
   def ready(port):
-    print(f"kvjax serve: {name} on http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+    # `kvjax.testing.start_server` waits for "on http://HOST:PORT/" in this line.
+    log.info(
+        "%s on http://%s:%d/v1; compression %s; kv-memory %s (%d pages of %d "
+        "bytes); %d rows, queue %d; temperature %g by default; API keys: %s",
+        name,
+        args.host,
+        port,
+        compression,
+        _size(engine.capacity * engine.page_bytes),
+        engine.capacity,
+        engine.page_bytes,
+        config.rows,
+        config.queue,
+        temperature,
+        tenants,
+    )
 
-  serve(app, args.host, args.port, ready=ready)
+  serve(app, args.host, args.port, ready=ready, log_level=args.log_level)
   return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -27,12 +27,11 @@ from kvjax.cache.paged_cache import to_host
 from kvjax.cache.sizing import full_cache_bytes
 from kvjax.runtime.prompts import (
     EncodedPrompts,
+    EncodedRequest,
     Segment,
-    chat_parts,
-    chat_request,
-    context_prompt,
-    encode_prompts,
+    _is_token_ids,
     encode_question,
+    encode_request,
     has_text,
 )
 from kvjax.runtime.tokenizer import tokenizer_for
@@ -108,117 +107,7 @@ class CompressionSkipped(UserWarning):
   """A request whose budget could not save a page of K/V ran with the full cache."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Request:
-  """A batch's prompts as they are read: `context` first (and compressed), then `question`
-  (protected, never evicted; None where no row has one)."""
-
-  context: EncodedPrompts
-  question: EncodedPrompts | None
-
-  @property
-  def lengths(self) -> np.ndarray:
-    q = 0 if self.question is None else self.question.lengths
-    return self.context.lengths + q
-
-  @property
-  def longest_question(self) -> int:
-    return 0 if self.question is None else int(self.question.lengths.max())
-
-
-def _is_chat(prompt) -> bool:
-  """A conversation: a list of {"role": ..., "content": ...} messages."""
-  return (
-      isinstance(prompt, Sequence)
-      and not isinstance(prompt, str)
-      and len(prompt) > 0
-      and all(isinstance(m, Mapping) for m in prompt)
-  )
-
-
-def _request(tokenizer, prompts, context, chat: bool, vocab_size: int) -> _Request:
-  """The context and question rows of `generate`'s prompts (see its docstring)."""
-  if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-    raise ValueError(
-        "prompts must be a non-empty list of strings, token-id lists, segment lists or chats"
-    )
-  if context is not None:
-    contexts = _contexts(context, len(prompts))
-    rows = [context_prompt(tokenizer, c, chat) for c in contexts]
-    questions = []
-    for i, q in enumerate(prompts):
-      if isinstance(q, str):
-        questions.append(encode_question(tokenizer, q, chat))
-      elif len(q) and all(isinstance(t, (int, np.integer)) for t in q):
-        questions.append([int(t) for t in q])
-      else:
-        raise ValueError(f"prompts[{i}]: with context=, a prompt is a question (str or ids)")
-    return _encoded(rows, questions, vocab_size, tokenizer)
-  if not chat:
-    if any(_is_chat(p) for p in prompts):
-      raise ValueError("a prompt given as chat messages needs chat=True")
-    return _Request(encode_prompts(tokenizer, prompts, chat=False, vocab_size=vocab_size), None)
-  if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-    raise ValueError("chat=True needs a tokenizer with a chat template")
-  rows, questions = [], []
-  for i, prompt in enumerate(prompts):
-    if isinstance(prompt, str) or _is_chat(prompt):
-      messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-      if isinstance(prompt, str) and not prompt.strip():
-        raise ValueError(f"prompts[{i}] is empty")
-      ctx, question = chat_request(tokenizer, messages)
-      if ctx:
-        rows.append([Segment(ctx)])
-        questions.append(question)
-      else:  # nothing before the question: it is read first, protected
-        rows.append([Segment(question, protected=True)])
-        questions.append([])
-    elif _is_token_ids(prompt):
-      rows.append(prompt)  # ids are read as they are
-      questions.append([])
-    else:  # marked segments: the user's marks, inside a user message closed by the template
-      before, after = chat_parts(tokenizer, True)
-      parts = [prompt] if isinstance(prompt, Segment) else list(prompt)
-      rows.append([Segment(before), *parts, Segment(after, protected=True)])
-      questions.append([])
-  return _encoded(rows, questions, vocab_size, tokenizer)
-
-
-def _is_token_ids(prompt) -> bool:
-  if isinstance(prompt, np.ndarray):
-    return prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer)
-  return bool(prompt) and all(isinstance(t, (int, np.integer)) for t in prompt)
-
-
-def _contexts(context, rows: int) -> list:
-  """One context per row: `context` for all (text or ids) or one per prompt."""
-  if isinstance(context, str) or _is_token_ids(context):
-    return [context] * rows
-  if isinstance(context, Sequence) and len(context) == rows:
-    if all(isinstance(c, str) or _is_token_ids(c) for c in context):
-      return list(context)
-  raise ValueError(
-      f"context must be text or token ids (one context for every prompt), or a list of "
-      f"{rows} of them (one per prompt); got {type(context).__name__}"
-  )
-
-
-def _encoded(rows, questions, vocab_size, tokenizer) -> _Request:
-  context = encode_prompts(tokenizer, rows, chat=False, vocab_size=vocab_size)
-  if not any(questions):
-    return _Request(context, None)
-  question = encode_prompts(
-      tokenizer,
-      [[Segment(q, protected=True)] if q else [] for q in questions],
-      chat=False,
-      vocab_size=vocab_size,
-      allow_empty=True,
-      start=False,
-  )
-  return _Request(context, question)
-
-
-def skip_reason(spec: CompressionSpec, request: _Request, max_new: int) -> str | None:
+def skip_reason(spec: CompressionSpec, request: EncodedRequest, max_new: int) -> str | None:
   """Why compressing this request cannot save a page of any sequence (then the full cache
   runs instead), or None. A sequence of a compress-once policy holds its context's budget,
   the question and the answer; one of a running policy holds at most its budget, or its
@@ -313,7 +202,7 @@ def generate(
     _stop_tokens(None, stop_tokens)  # names what is missing first
   tokenizer = tokenizer_for(tokenizer, _needs(tokenizer, prompts, context, chat, stop_tokens))
   stop_tokens = _stop_tokens(tokenizer, stop_tokens)
-  request = _request(tokenizer, prompts, context, chat, shape.vocab_size)
+  request = encode_request(tokenizer, prompts, context, chat, shape.vocab_size)
   EncodedPrompts.unmarked([[0] * int(request.lengths.max())]).longest(
       shape.max_context, max_new_tokens
   )
@@ -577,7 +466,9 @@ def ask(
     chat: as the state was prefilled (`prefill(chat=True)`): the question closes the user
       message and the template's generation prompt follows; else it is framed as plain
       text ("Question: ... Answer:", then `cue`).
-    max_new_tokens, sampling, stop_tokens: as `generate`'s; the state's key drives sampling.
+    max_new_tokens: tokens of the answer at most.
+    sampling: as `generate`'s; the state's key drives it.
+    stop_tokens: as `generate`'s.
   Returns the state after the answer and a `GenerationResult` (its stats: the question's
   and answer's tokens, the K/V held before the answer against the full cache's).
   """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -294,3 +294,113 @@ def encode_follow_up(tokenizer, question: str) -> list[int]:
   between, after = _render_around(tokenizer, turns)
   between = between.split(m2)[-1]
   return tokenizer.encode(between) + tokenizer.encode(question) + tokenizer.encode(after)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedRequest:
+  """A batch's prompts as they are read: `context` first (and compressed), then `question`
+  (protected, never evicted; None where no row has one)."""
+
+  context: EncodedPrompts
+  question: EncodedPrompts | None
+
+  @property
+  def lengths(self) -> np.ndarray:
+    q = 0 if self.question is None else self.question.lengths
+    return self.context.lengths + q
+
+  @property
+  def longest_question(self) -> int:
+    return 0 if self.question is None else int(self.question.lengths.max())
+
+
+def _is_chat(prompt) -> bool:
+  """A conversation: a list of {"role": ..., "content": ...} messages."""
+  return (
+      isinstance(prompt, Sequence)
+      and not isinstance(prompt, str)
+      and len(prompt) > 0
+      and all(isinstance(m, Mapping) for m in prompt)
+  )
+
+
+def encode_request(tokenizer, prompts, context, chat: bool, vocab_size: int) -> EncodedRequest:
+  """The context rows and the question rows of `kvjax.generate`'s prompts: with `context`,
+  the context (`context_prompt`) then each prompt as a question (`encode_question`); in chat
+  mode without it, each chat split at its last user message (`chat_request`); raw text and
+  token ids all context; marked segments as marked, in a user message closed by the
+  template (protected)."""
+  if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+    raise ValueError(
+        "prompts must be a non-empty list of strings, token-id lists, segment lists or chats"
+    )
+  if context is not None:
+    contexts = _contexts(context, len(prompts))
+    rows = [context_prompt(tokenizer, c, chat) for c in contexts]
+    questions = []
+    for i, q in enumerate(prompts):
+      if isinstance(q, str):
+        questions.append(encode_question(tokenizer, q, chat))
+      elif len(q) and all(isinstance(t, (int, np.integer)) for t in q):
+        questions.append([int(t) for t in q])
+      else:
+        raise ValueError(f"prompts[{i}]: with context=, a prompt is a question (str or ids)")
+    return _encoded(rows, questions, vocab_size, tokenizer)
+  if not chat:
+    if any(_is_chat(p) for p in prompts):
+      raise ValueError("a prompt given as chat messages needs chat=True")
+    return EncodedRequest(
+        encode_prompts(tokenizer, prompts, chat=False, vocab_size=vocab_size), None
+    )
+  if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+    raise ValueError("chat=True needs a tokenizer with a chat template")
+  rows, questions = [], []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, str) or _is_chat(prompt):
+      messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+      if isinstance(prompt, str) and not prompt.strip():
+        raise ValueError(f"prompts[{i}] is empty")
+      ctx, question = chat_request(tokenizer, messages)
+      if ctx:
+        rows.append([Segment(ctx)])
+        questions.append(question)
+      else:  # nothing before the question: it is read first, protected
+        rows.append([Segment(question, protected=True)])
+        questions.append([])
+    elif _is_token_ids(prompt):
+      rows.append(prompt)  # ids are read as they are
+      questions.append([])
+    else:  # marked segments: the user's marks, inside a user message closed by the template
+      before, after = chat_parts(tokenizer, True)
+      parts = [prompt] if isinstance(prompt, Segment) else list(prompt)
+      rows.append([Segment(before), *parts, Segment(after, protected=True)])
+      questions.append([])
+  return _encoded(rows, questions, vocab_size, tokenizer)
+
+
+def _contexts(context, rows: int) -> list:
+  """One context per row: `context` for all (text or ids) or one per prompt."""
+  if isinstance(context, str) or _is_token_ids(context):
+    return [context] * rows
+  if isinstance(context, Sequence) and len(context) == rows:
+    if all(isinstance(c, str) or _is_token_ids(c) for c in context):
+      return list(context)
+  raise ValueError(
+      f"context must be text or token ids (one context for every prompt), or a list of "
+      f"{rows} of them (one per prompt); got {type(context).__name__}"
+  )
+
+
+def _encoded(rows, questions, vocab_size, tokenizer) -> EncodedRequest:
+  context = encode_prompts(tokenizer, rows, chat=False, vocab_size=vocab_size)
+  if not any(questions):
+    return EncodedRequest(context, None)
+  question = encode_prompts(
+      tokenizer,
+      [[Segment(q, protected=True)] if q else [] for q in questions],
+      chat=False,
+      vocab_size=vocab_size,
+      allow_empty=True,
+      start=False,
+  )
+  return EncodedRequest(context, question)

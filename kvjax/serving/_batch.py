@@ -239,7 +239,7 @@ def widths(rows: int) -> list[int]:
   return sorted({width_for([row], rows) for row in range(rows)})
 
 
-def run_returns(params, batch, stop_tokens):
+def run_returns(params, batch, stop_tokens, step_limit):
   """`run`'s output structure (for `kvjax.runtime.compilation.compiled`)."""
   return batch, Stepped(tokens=0, count=0, stopped=0, failed=0)
 
@@ -291,26 +291,30 @@ def run(
     params,
     batch: Batch,
     stop_tokens,
+    step_limit,
     *,
     graphdef,
     steps: int,
     width: int | None = None,
     depth: int | None = None,
 ) -> tuple[Batch, Stepped]:
-  """Up to `steps` decode steps of every active row (fewer when no row is left to go on).
+  """Up to `step_limit` (an int32 scalar, at most `steps`) decode steps of every active row
+  (fewer when no row is left to go on): the limit is an argument, so a round of one step
+  (a streaming request's tokens out after each) runs the program of a round of `steps`.
   A row goes on while it is active, has tokens left, has not stopped and has not failed.
   `width`: compute only the first `width` rows (every active row among them: `width_for`);
   the tokens and counts cover those rows. `depth`: read only the first `depth` entries of
   each table (at least the pages any of those rows holds at its peak: `depth_for`)."""
   width = batch.rows if width is None else width
   depth = batch.state.cache.pages.table.shape[-1] if depth is None else depth
+  limit = jnp.minimum(step_limit, steps)
   if (width, depth) == (batch.rows, batch.state.cache.pages.table.shape[-1]):
-    return _run(params, batch, stop_tokens, graphdef, steps)
-  part, out = _run(params, _first_rows(batch, width, depth), stop_tokens, graphdef, steps)
+    return _run(params, batch, stop_tokens, limit, graphdef, steps)
+  part, out = _run(params, _first_rows(batch, width, depth), stop_tokens, limit, graphdef, steps)
   return _put_first_rows(batch, part), out
 
 
-def _run(params, batch: Batch, stop_tokens, graphdef, steps: int) -> tuple[Batch, Stepped]:
+def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tuple[Batch, Stepped]:
   model = nnx.merge(graphdef, params)
   eviction = batch.state.plan.eviction
   rows = jnp.arange(batch.rows)
@@ -320,7 +324,7 @@ def _run(params, batch: Batch, stop_tokens, graphdef, steps: int) -> tuple[Batch
 
   def cond(carry):
     b, _, step = carry
-    return (step < steps) & live(b).any()
+    return (step < limit) & live(b).any()
 
   def body(carry):
     b, out, step = carry
@@ -362,9 +366,13 @@ def _run(params, batch: Batch, stop_tokens, graphdef, steps: int) -> tuple[Batch
   return batch, out
 
 
-def run_steps(model, batch: Batch, stop_tokens: np.ndarray, steps: int, width=None, depth=None):
+def run_steps(
+    model, batch: Batch, stop_tokens: np.ndarray, steps: int, width=None, depth=None, limit=None
+):
   """`run` from the host: (batch, Stepped) with the model split into its static graph
-  (tests; the engine splits the model and puts the stop ids on the device once)."""
+  (tests; the engine splits the model and puts the stop ids on the device once); `limit`:
+  the round's steps (default `steps`)."""
   graphdef, params = nnx.split(model)
   stop = jax.device_put(stop_tokens)
-  return run(params, batch, stop, graphdef=graphdef, steps=steps, width=width, depth=depth)
+  limit = jax.device_put(np.int32(steps if limit is None else limit))
+  return run(params, batch, stop, limit, graphdef=graphdef, steps=steps, width=width, depth=depth)

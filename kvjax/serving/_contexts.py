@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from kvjax.persistence import StateFileError, load_state, save_state, state_info
+from kvjax.runtime.generation import held_stats
+from kvjax.seam import ModelShape
 from kvjax_store.cache_dir import unsafe_reason
 from kvjax_store.files import make_dirs
 
@@ -36,10 +38,15 @@ class QuotaExceeded(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Context:
+  """What a stored context keeps, as a reader can check it against the full cache."""
+
   id: str
-  tokens: int  # the document's tokens (the chat template's opening included)
-  kept_tokens: int  # K/V entries kept, over all layers and kv heads
-  bytes: int  # on disk
+  document_tokens: int  # tokens read: the document and the chat template's opening
+  # K/V entries kept as a share of `document_tokens`, the mean over layers and kv heads.
+  kept_share: float
+  kv_bytes: int  # K/V bytes it holds
+  full_kv_bytes: int  # what the full cache holds for the same tokens
+  disk_bytes: int  # on disk, counted against the tenant's quota
   created: float
   expires: float
 
@@ -93,7 +100,17 @@ class ContextStore:
           tokenizer=self.tokenizer,
           info={"created": now, "expires": now + self.ttl, "tokens": tokens},
       )
-    return Context(cid, tokens, _kept(state), _size(path), now, now + self.ttl)
+    held = held_stats(state, ModelShape.of(self.model))
+    return Context(
+        id=cid,
+        document_tokens=tokens,
+        kept_share=held["kept_fraction"][0],
+        kv_bytes=held["kv_bytes_held"],
+        full_kv_bytes=held["full_kv_bytes"],
+        disk_bytes=_size(path),
+        created=now,
+        expires=now + self.ttl,
+    )
 
   def load(self, tenant: str, cid: str):
     """The context's state, or None when `tenant` has no such live context (unknown, another
@@ -117,12 +134,6 @@ class ContextStore:
       return False
     shutil.rmtree(path, ignore_errors=True)
     return True
-
-
-def _kept(state) -> int:
-  from kvjax.cache.paged_cache import to_host
-
-  return int(to_host(state.cache.length).sum())
 
 
 def _size(path: Path) -> int:

@@ -11,9 +11,13 @@ refused (`RequestTooLarge`, naming the limit). Reservations are made on the prom
 is read, then brought down to what the compressed context actually holds.
 
 One thread owns every device call: it reads (prefills) admitted requests, inserts them into
-free rows, runs `steps` decode steps of every active row, hands each request its tokens and
-releases finished or cancelled rows. Callbacks run on that thread: keep them short (the HTTP
-layer hands them over to its event loop).
+free rows, runs a round of `steps` decode steps of every active row (one step while a
+streaming request decodes, so its tokens go out as they are decoded), hands each request
+its tokens and releases finished or cancelled rows. Callbacks run on that thread: keep them
+short (the HTTP layer hands them over to its event loop).
+
+Protected tokens (a chat's question, `Segment(protected=True)`) are never evicted: a running
+policy's row keeps them beside its budget (`row_budget`), and admission counts them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,15 +37,18 @@ from flax import nnx
 
 from kvjax.cache.paged_cache import check_status, to_host
 from kvjax.cache.pages import pages_for
-from kvjax.cache.sizing import window_peak
+from kvjax.cache.sizing import min_budget, window_peak
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.compilation import compile_ahead, compiled
+from kvjax.runtime.generation import held_stats
 from kvjax.runtime.sampling import Sampling
 from kvjax.runtime.session import extend, prefill
 from kvjax.seam import ModelShape
 from kvjax.serving import _batch
 from kvjax.spec import CompressionSpec
 from pallas_kernels import page_format
+
+log = logging.getLogger("kvjax.serve.engine")
 
 
 class QueueFull(RuntimeError):
@@ -63,7 +71,8 @@ class EngineConfig:
   kv_memory: bytes of K/V for the page pool all rows share.
   max_tokens: tokens a row holds at most (a request's prompt and new tokens as kept); by
     default the model context.
-  steps: decode steps between two scheduling rounds (admissions, releases, cancels).
+  steps: decode steps between two scheduling rounds (admissions, releases, cancels); one
+    while a streaming request decodes (its tokens go out after every step).
   queue: requests waiting for memory at most; past it `submit` raises `QueueFull`.
   compile_ahead: compile the decode round of every width when the engine starts (in the
     background), not when a load first needs it (a server: yes; a short-lived test: no).
@@ -103,12 +112,19 @@ class Request:
   context: object = None
   # False: the request runs to `max_tokens` whatever it generates (benchmarks).
   stops: bool = True
+  # True: its tokens are handed over after every decode step, not every round (a stream).
+  stream: bool = False
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   # Set by the engine.
   prompt_tokens: int = 0
+  protected_tokens: int = 0  # of the prompt: never evicted
   reserved: int = 0
   depth: int = 0  # the most pages one of its sequences holds at its peak
   arrived: float = dataclasses.field(default_factory=time.perf_counter)
+  # Once its prompt is read: the K/V entries kept as a share of the tokens read (mean over
+  # layers and kv heads), and the bytes they take.
+  kept_share: float | None = None
+  kv_bytes: int | None = None
 
 
 class Engine:
@@ -162,14 +178,33 @@ class Engine:
     self._thread: threading.Thread | None = None
     self.counters = collections.Counter()
     self._rate = 0.0  # tokens per second over the last decode round
+    # A round's step count is an argument of its one compiled program: a round of one step
+    # (a streaming request decodes) costs no compile of its own.
+    self._round_steps = {
+        False: jax.device_put(np.int32(config.steps)),
+        True: jax.device_put(np.int32(1)),
+    }
 
   # ---- sizes ---------------------------------------------------------------------------
 
-  def row_budget(self, spec: CompressionSpec, prompt_tokens: int) -> int:
-    """The running budget a request's row keeps on the full layers (`NEVER`: all)."""
+  def row_budget(self, spec: CompressionSpec, prompt_tokens: int, protected: int = 0) -> int:
+    """The running budget a request's row keeps on the full layers (`NEVER`: all): its
+    spec's, or what eviction can always reach beside `protected` tokens where that is more
+    (eviction keeps them, the sink and the recent window whatever the budget)."""
     if spec.once or not spec.evicts:
       return NEVER
-    return spec.budget_tokens(prompt_tokens)
+    # Rows evict with the batch's sink, recent window and groups (the server's spec's).
+    cfg = self.batch.state.cache.config
+    floor = self._floor(protected, cfg.sink, cfg.recent, cfg.group_size)
+    return max(spec.budget_tokens(prompt_tokens), floor)
+
+  def _floor(self, protected: int, sink: int, recent: int, group: int) -> int:
+    """Tokens a sequence holds however it evicts: its sink, its recent window and its
+    `protected` tokens, in whole groups (one more for a span that starts mid-group)."""
+    floor = min_budget(self.page_size, sink, recent, group)
+    if protected and group > 1:
+      return floor + (pages_for(protected, group) + 1) * group
+    return floor + protected
 
   def layer_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
     """Pages a row needs at its peak, per layer [L]: sequences holding `kept` tokens ([L, H], or one count
@@ -200,16 +235,21 @@ class Engine:
     if request.context is not None:  # the context as kept, and the prompt after it
       kept = to_host(request.context.cache.length)[:, 0]
       return self.pages_needed(kept + n, new, NEVER)
-    whole = self.pages_needed(n, new, self.row_budget(spec, n))
+    whole = self.pages_needed(n, new, self.row_budget(spec, n, request.protected_tokens))
     if not spec.once or spec.auto:
       return whole
     # Compressed once: the full layers keep `budget` tokens per sequence on average (one
     # ranking may give a sequence more and another less: counted over them all, plus a
-    # partly filled page each), the sliding ones their window.
+    # partly filled page each), or what they protect where that is more; the sliding ones
+    # their window.
+    budget = spec.budget_tokens(n)
+    protected = self._floor(
+        request.protected_tokens, spec.sink, spec.recent_tokens(budget), spec.group
+    )
     ps = self.batch.state.cache.config.page_size
     full = int((self.windows == 0).sum()) * self.shape.n_kv_heads
     sliding = int(self.layer_pages(n, new, NEVER)[self.windows > 0].sum())
-    kept = pages_for(full * (spec.budget_tokens(n) + new), ps) + full
+    kept = pages_for(full * (max(budget, protected) + new), ps) + full
     return min(whole, sliding + kept)
 
   # ---- requests ------------------------------------------------------------------------
@@ -247,6 +287,7 @@ class Engine:
         start=request.context is None,
     )
     request.prompt_tokens = n = int(encoded.lengths[0])
+    request.protected_tokens = int(sum(encoded.protected[0]))
     if request.context is not None:
       n += int(to_host(request.context.position)[0])  # the row holds the context too
     if n + request.max_tokens > self.max_tokens:
@@ -324,7 +365,7 @@ class Engine:
         lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
         ),
-        (self._params, self.batch, self._stop),
+        (self._params, self.batch, self._stop, self._round_steps[False]),
     )
     shallow = _batch.depth_for(0, self.page_size, self.max_pages)  # deeper ones when asked
     for width in _batch.widths(self.config.rows) if self.config.compile_ahead else ():
@@ -407,8 +448,10 @@ class Engine:
       budget = (
           NEVER
           if request.context is not None
-          else self.row_budget(request.spec, request.prompt_tokens)
+          else self.row_budget(request.spec, request.prompt_tokens, request.protected_tokens)
       )
+      held = held_stats(state, self.shape)
+      request.kept_share, request.kv_bytes = held["kept_fraction"][0], held["kv_bytes_held"]
       kept = to_host(state.cache.length)[:, 0]  # [L, H]
       peak = self._peak_pages(kept, request.max_tokens, budget)
       need = int(peak.sum())
@@ -426,6 +469,7 @@ class Engine:
       with self._lock:
         self._reserved -= request.reserved
       self.counters["failed"] += 1
+      log.debug("request %d failed on admission: %s", request.id, err)
       _emit(request, ("error", f"{type(err).__name__}: {err}".splitlines()[0]))
       return
     with self._lock:
@@ -433,13 +477,23 @@ class Engine:
       request.reserved = need
       request.depth = int(peak.max())
       self._rows[row] = request
+    log.debug(
+        "request %d in row %d: %d prompt tokens (%d protected), %.3f kept, %d pages reserved",
+        request.id,
+        row,
+        request.prompt_tokens,
+        request.protected_tokens,
+        request.kept_share,
+        need,
+    )
 
   def _step(self) -> None:
     start = time.perf_counter()
     width = _batch.width_for(self._rows, self.config.rows)
     deepest = max(request.depth for request in self._rows.values())
     depth = _batch.depth_for(deepest, self.page_size, self.max_pages)
-    args = (self._params, self.batch, self._stop)
+    streaming = any(request.stream for request in self._rows.values())
+    args = (self._params, self.batch, self._stop, self._round_steps[streaming])
     step = compiled(_batch.run, self._statics(width, depth), *args, returns=_batch.run_returns)
     self.batch, out = step(*args)
     # One transfer of what the host needs from the round.

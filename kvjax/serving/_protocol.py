@@ -1,9 +1,13 @@
 """The OpenAI wire format kvjax serves: request bodies (validated; every error names its
-field), the engine request each becomes, and the response and stream chunk bodies.
+field), the engine prompt each becomes, and the response and stream chunk bodies.
 
 kvjax's extension: a top-level "compression" object, {"policy": NAME, "budget": N}, chooses
 the request's policy and budget (validated as `kvjax.CompressionSpec` validates them); the
 server's own spec applies to what it leaves out.
+
+What compression may drop: a chat's system prompt and earlier turns (the context); never
+its last user message with the template's tokens around it and the generation prompt (the
+question, a protected `Segment`), nor a question asked of a stored context.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvjax.runtime.prompts import Segment, chat_request, context_prompt, encode_question
 from kvjax.runtime.sampling import TEMPERATURE_MAX, TOP_K_MAX, Sampling
 from kvjax.spec import CompressionSpec
 
@@ -47,7 +52,8 @@ class _Common(BaseModel):
   model: str
   max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
   max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-  temperature: float = Field(default=1.0, ge=0, le=TEMPERATURE_MAX)
+  # None: the server's default (`kvjax serve --temperature`, else OpenAI's 1.0).
+  temperature: float | None = Field(default=None, ge=0, le=TEMPERATURE_MAX)
   top_p: float = Field(default=1.0, gt=0, le=1)
   top_k: int = Field(default=0, ge=0, le=TOP_K_MAX)
   seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
@@ -68,8 +74,10 @@ class _Common(BaseModel):
       raise BadRequest("stop takes up to 4 non-empty strings", "stop")
     return stops
 
-  def sampling(self) -> Sampling:
-    return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+  def sampling(self, default_temperature: float = 1.0) -> Sampling:
+    """The request's sampling values; `default_temperature` where it gives none."""
+    temperature = default_temperature if self.temperature is None else self.temperature
+    return Sampling(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
 
 class Message(BaseModel):
@@ -168,3 +176,73 @@ def chunk(rid, model, chat: bool, text: str | None, finish: str | None, first: b
       "model": model,
       "choices": [choice],
   }
+
+
+# ---- the engine's prompt of a request -------------------------------------------------
+
+
+def chat_prompt(tokenizer, messages) -> list[Segment]:
+  """The engine's prompt of a chat (`messages`: dicts of role and content): the system
+  prompt and earlier turns (the context, which the request's policy may compress), then the
+  last user message with the template's tokens around it and the generation prompt (the
+  question: protected, so no policy evicts it for the rest of the request). A chat that
+  does not end with a user message has no question: all of it is context."""
+  if getattr(tokenizer, "chat_template", None) is None:
+    raise BadRequest(
+        "this model has no chat template (a base model): use /v1/completions", "messages"
+    )
+  try:
+    context, question = chat_request(tokenizer, messages)
+  except ValueError as err:  # a message that is not UTF-8 text, a template that hides it
+    raise BadRequest(str(err).splitlines()[0], "messages") from None
+  prompt = [Segment(context)] if context else []
+  if question:
+    prompt.append(Segment(question, protected=True))
+  if not prompt:
+    raise BadRequest("the prompt is empty", "messages")
+  return prompt
+
+
+def text_prompt(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+  """The ids of a text completion's prompt: text encoded (after the tokenizer's `<bos>`
+  where it starts sequences with one), or token ids as they are."""
+  if isinstance(prompt, str):
+    ids = tokenizer.encode(prompt)
+    bos = getattr(tokenizer, "bos_id", None)
+    if getattr(tokenizer, "add_bos", False) and ids[:1] != [bos]:
+      ids = [bos, *ids]
+  else:
+    if any(not 0 <= t < vocab_size for t in prompt):
+      raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    ids = list(prompt)
+  if not ids:
+    raise BadRequest("the prompt is empty", "prompt")
+  return ids
+
+
+def document_prompt(tokenizer, text: str) -> list[Segment]:
+  """The prompt a stored context is read as (`kvjax.runtime.prompts.context_prompt`): the
+  chat template's opening of a user message (protected) where the model has a template,
+  then the document, which a question closes later (`question_prompt`)."""
+  try:
+    return context_prompt(tokenizer, text, chat=True)
+  except ValueError as err:
+    raise BadRequest(str(err).splitlines()[0], "text") from None
+
+
+def question_prompt(tokenizer, body: "ChatRequest | CompletionRequest", chat: bool):
+  """What follows a stored context: a chat's one user message, closing the user turn the
+  context opened (`encode_question`; protected), or a completion's prompt as it is."""
+  if chat:
+    messages = body.messages
+    if len(messages) != 1 or messages[0].role != "user":
+      raise BadRequest("a chat over a context takes one user message", "messages")
+    try:
+      ids = encode_question(tokenizer, messages[0].content, chat=True)
+    except ValueError as err:  # empty, or not UTF-8 text
+      raise BadRequest(str(err).splitlines()[0], "messages") from None
+    return [Segment(ids, protected=True)]
+  ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+  if not ids:
+    raise BadRequest("the question is empty", "prompt")
+  return ids

@@ -1,15 +1,17 @@
 """The HTTP face of the engine: an OpenAI-compatible server (FastAPI on uvicorn). A thin
 layer: it validates and tokenizes a request, hands it to the `Engine`, and turns the
-engine's events into a response or an SSE stream; the engine knows nothing of HTTP.
+engine's events into a response or an SSE stream (an event per token); the engine knows
+nothing of HTTP.
 
     app = make_app(engine, model_name="smollm2-135m-instruct", api_keys={"sk-...": "alice"})
     serve(app, host="127.0.0.1", port=8000)        # what `kvjax serve` runs
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream"),
-GET /v1/models, GET /health, GET /metrics (Prometheus text). Errors are OpenAI error objects
-naming the field; 401 for a missing or wrong key (when keys are given), 404 for an unknown
-model, 429 with Retry-After when the queue is full. A client that goes away mid-request has
-its request cancelled: its row is freed in the engine's next round.
+POST and DELETE /v1/contexts, GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Errors are OpenAI error objects naming the field; 401 for a missing or wrong key (when keys
+are given), 404 for an unknown model, 429 with Retry-After when the queue is full. A client
+that goes away mid-request has its request cancelled: its row is freed in the engine's next
+round. Every /v1 request ends with one line in the operator's log (`log_request`).
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import signal
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvjax.runtime.prompts import Segment, chat_parts
 from kvjax.runtime.session import prefill
 from kvjax.serving import _protocol as wire
 from kvjax.serving._contexts import ContextStore, QuotaExceeded
 from kvjax.serving._engine import Engine, QueueFull, RequestTooLarge
 from kvjax.serving._engine import Request as EngineRequest
+
+log = logging.getLogger("kvjax.serve")
 
 DEFAULT_MAX_TOKENS = 256  # a chat completion's limit when the request gives none
 
@@ -47,15 +52,16 @@ def tenant_of(key: str) -> str:
 
 class _Auth:
   """Pure ASGI middleware (a `BaseHTTPMiddleware` would hide client disconnects): every /v1
-  request carries `Authorization: Bearer KEY` with a known key; its tenant goes in the
-  request's scope."""
+  request carries `Authorization: Bearer KEY` with a known key; its tenant and its arrival
+  time go in the request's scope (`_Service.finish` logs them)."""
 
-  def __init__(self, app, keys: set[str] | None):
-    self.app, self.keys = app, keys
+  def __init__(self, app, keys: set[str] | None, service: "_Service"):
+    self.app, self.keys, self.service = app, keys, service
 
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http" and scope["path"].startswith("/v1"):
-      tenant = "local"
+      state = scope.setdefault("state", {})
+      state.update(tenant="local" if self.keys is None else "-", started=time.perf_counter())
       if self.keys is not None:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
@@ -64,10 +70,55 @@ class _Auth:
           response = _error(
               401, "missing or unknown API key", "invalid_request_error", code="invalid_api_key"
           )
+          self.service.finish(scope, _endpoint_label(scope["path"]), 401)
           return await response(scope, receive, send)
-        tenant = tenant_of(key)
-      scope.setdefault("state", {})["tenant"] = tenant
+        state["tenant"] = tenant_of(key)
     await self.app(scope, receive, send)
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/contexts", "/v1/models")
+
+
+def _endpoint_label(path: str) -> str:
+  """A request's endpoint as /metrics counts it: a route, never a context's id."""
+  if path.startswith("/v1/contexts/"):
+    return "/v1/contexts"
+  return path if path in _ENDPOINTS else "other"
+
+
+def log_request(
+    tenant, method, endpoint, status, started, job=None, generated=None, prompt_tokens=None
+):
+  """The request's line in the operator's log (logger "kvjax.serve", INFO) once it ended:
+  its tenant (a digest of its key, never the key), endpoint, prompt tokens, the share of
+  them its K/V kept, tokens generated, K/V bytes held once its prompt was read, seconds and
+  HTTP status ("-": not known, e.g. a request refused before it was read). A failure (5xx)
+  is an ERROR, the rest INFO."""
+  level = logging.ERROR if isinstance(status, int) and status >= 500 else logging.INFO
+  if not log.isEnabledFor(level):
+    return
+  if job is not None and prompt_tokens is None:
+    prompt_tokens = job.prompt_tokens
+  kept = None if job is None or job.kept_share is None else f"{job.kept_share:.3f}"
+  kv_bytes = None if job is None else job.kv_bytes
+  log.log(
+      level,
+      "tenant=%s %s %s prompt_tokens=%s kept_share=%s generated_tokens=%s kv_bytes=%s "
+      "seconds=%.3f status=%d",
+      tenant,
+      method,
+      endpoint,
+      _or_dash(prompt_tokens),
+      _or_dash(kept),
+      _or_dash(generated),
+      _or_dash(kv_bytes),
+      time.perf_counter() - started,
+      status,
+  )
+
+
+def _or_dash(value) -> str:
+  return "-" if value is None else str(value)
 
 
 class _Text:
@@ -94,14 +145,28 @@ class _Text:
 
 
 class _Service:
-  """What the routes share: the engine, the model's name, the contexts, the request counts."""
+  """What the routes share: the engine, the model's name, the contexts, the default
+  temperature, the request counts."""
 
-  def __init__(self, engine: Engine, model_name: str, contexts: ContextStore | None):
+  def __init__(
+      self,
+      engine: Engine,
+      model_name: str,
+      contexts: ContextStore | None,
+      default_temperature: float,
+  ):
     self.engine, self.model_name, self.contexts = engine, model_name, contexts
+    self.default_temperature = default_temperature
     self.requests: dict[tuple[str, int], int] = {}
 
-  def count(self, endpoint: str, status: int) -> None:
+  def finish(self, scope: dict, endpoint: str, status: int, job=None, generated=None):
+    """Counts an answered request (by `endpoint`, its label in /metrics) and logs it
+    (`scope`: the request's ASGI scope; a /v1 request's holds its tenant and arrival)."""
     self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+    state = scope.get("state", {})
+    if "started" in state:
+      tenant, started = state["tenant"], state["started"]
+      log_request(tenant, scope["method"], scope["path"], status, started, job, generated)
 
   def metrics(self) -> str:
     """The Prometheus text exposition of the server's counters and the engine's gauges."""
@@ -137,19 +202,22 @@ class _Service:
     return "\n".join(lines) + "\n"
 
   def submit(self, body: wire._Common, chat: bool, context=None):
-    """(the engine request, its events queue, the text decoder, prompt tokens) for `body`,
-    submitted (after `context`, a loaded compressed context, when given); raises what
-    `complete` turns into an error response."""
-    engine = self.engine
+    """(the engine request, its events queue, the text decoder) for `body`, submitted
+    (after `context`, a loaded compressed context, when given); raises what `complete`
+    turns into an error response."""
+    engine, tokenizer = self.engine, self.engine.tokenizer
     if context is not None:
       if body.compression is not None:
         raise wire.BadRequest("a context keeps the compression it was made with", "compression")
-      prompt, prompt_tokens = _question(engine, body, chat)
+      prompt = wire.question_prompt(tokenizer, body, chat)
       spec = context.plan.spec
     else:
-      prompt, prompt_tokens = _prompt(engine, body, chat)
+      if chat:
+        prompt = wire.chat_prompt(tokenizer, [m.model_dump() for m in body.messages])
+      else:
+        prompt = wire.text_prompt(tokenizer, body.prompt, engine.shape.vocab_size)
       spec = wire.request_spec(engine.spec, body.compression)
-    text = _Text(engine.tokenizer, body.stops())
+    text = _Text(tokenizer, body.stops())
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     job = EngineRequest(
@@ -157,18 +225,19 @@ class _Service:
         spec=spec,
         max_tokens=body.limit(DEFAULT_MAX_TOKENS),
         emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-        sampling=body.sampling(),
+        sampling=body.sampling(self.default_temperature),
         seed=body.seed or 0,
         context=context,
         stops=not body.ignore_eos,
+        stream=body.stream,
     )
-    engine.submit(job)
-    return job, events, text, prompt_tokens
+    engine.submit(job)  # sets job.prompt_tokens
+    return job, events, text
 
   async def complete(self, request: Request, body: wire._Common, chat: bool):
     endpoint = request.url.path
     if body.model != self.model_name:
-      self.count(endpoint, 404)
+      self.finish(request.scope, endpoint, 404)
       return _error(
           404,
           f"the model {body.model!r} does not exist here; this server has {self.model_name!r}",
@@ -180,45 +249,26 @@ class _Service:
     if body.context_id is not None:
       context = await self.load_context(request, body.context_id)
       if context is None:
-        self.count(endpoint, 404)
+        self.finish(request.scope, endpoint, 404)
         return _context_not_found()
     try:
-      job, events, text, prompt_tokens = self.submit(body, chat, context)
-    except QueueFull as err:
-      self.count(endpoint, 429)
-      return _error(
-          429,
-          str(err),
-          "rate_limit_error",
-          code="rate_limit_exceeded",
-          headers={"Retry-After": "1"},
-      )
-    except RequestTooLarge as err:
-      self.count(endpoint, 400)
-      return _error(400, str(err), "invalid_request_error", err.field)
-    except wire.BadRequest as err:
-      self.count(endpoint, err.status)
-      return _error(err.status, str(err), "invalid_request_error", err.param, err.code)
-    except (ValueError, TypeError) as err:
-      self.count(endpoint, 400)
-      return _error(400, str(err).splitlines()[0], "invalid_request_error", _param_of(err))
-    except RuntimeError as err:  # the engine stopped (the server is shutting down)
-      self.count(endpoint, 503)
-      return _error(503, str(err), "server_error", headers={"Retry-After": "1"})
+      job, events, text = self.submit(body, chat, context)
+    except Exception as err:  # noqa: BLE001 - answered below, or raised again
+      return self.refused(request, endpoint, err)
     rid = wire.new_id("chatcmpl" if chat else "cmpl")
-    flow = _events(events, text, self.engine, job)
+    flow = _events(events, text, self.engine, job, per_token=body.stream)
     if body.stream:
       return StreamingResponse(
-          _stream(flow, self, job, rid, chat, body, prompt_tokens, endpoint),
+          _stream(flow, self, request, job, rid, chat, body),
           media_type="text/event-stream",
           headers={"Cache-Control": "no-cache"},
       )
+    parts, ended = [], {"finish": None, "generated": 0}
 
     async def collect():
-      parts, finish, generated = [], None, 0
       async for new, finish, generated in flow:
         parts.append(new)
-      return "".join(parts), finish, generated
+        ended.update(finish=finish, generated=generated)
 
     work = asyncio.create_task(collect())
     watcher = asyncio.create_task(_gone(request))
@@ -227,16 +277,43 @@ class _Service:
       task.cancel()
     if work not in done:  # the client left: free its row
       self.engine.cancel(job.id)
-      self.count(endpoint, 499)
+      self.finish(request.scope, endpoint, 499, job, ended["generated"])
       return PlainTextResponse("", 499)
     try:
-      out, finish, generated = work.result()
+      work.result()
     except RuntimeError as err:
-      self.count(endpoint, 500)
+      self.finish(request.scope, endpoint, 500, job, ended["generated"])
       return _error(500, str(err), "server_error")
-    self.count(endpoint, 200)
+    self.finish(request.scope, endpoint, 200, job, ended["generated"])
     make = wire.chat_response if chat else wire.completion_response
-    return make(rid, self.model_name, out, finish, prompt_tokens, generated)
+    out, finish, generated = "".join(parts), ended["finish"], ended["generated"]
+    return make(rid, self.model_name, out, finish, job.prompt_tokens, generated)
+
+  def refused(self, request: Request, endpoint: str, err: Exception):
+    """The error response to a request the engine did not take (`err`), counted."""
+    if isinstance(err, QueueFull):
+      status, response = 429, _error(
+          429,
+          str(err),
+          "rate_limit_error",
+          code="rate_limit_exceeded",
+          headers={"Retry-After": "1"},
+      )
+    elif isinstance(err, RequestTooLarge):
+      status, response = 400, _error(400, str(err), "invalid_request_error", err.field)
+    elif isinstance(err, wire.BadRequest):
+      status = err.status
+      response = _error(status, str(err), "invalid_request_error", err.param, err.code)
+    elif isinstance(err, (ValueError, TypeError)):
+      message = str(err).splitlines()[0]
+      status, response = 400, _error(400, message, "invalid_request_error", _param_of(err))
+    elif isinstance(err, RuntimeError):  # the engine stopped (the server is shutting down)
+      status = 503
+      response = _error(503, str(err), "server_error", headers={"Retry-After": "1"})
+    else:
+      raise err
+    self.finish(request.scope, endpoint, status)
+    return response
 
   async def load_context(self, request: Request, cid: str):
     """The tenant's context `cid` (None: unknown, another tenant's, expired or invalid)."""
@@ -247,11 +324,12 @@ class _Service:
   async def create_context(self, request: Request, body: wire.ContextRequest):
     endpoint = "/v1/contexts"
     if self.contexts is None:
-      self.count(endpoint, 404)
+      self.finish(request.scope, endpoint, 404)
       return _error(404, "this server keeps no contexts", "invalid_request_error")
+    engine = self.engine
     try:
       spec = wire.request_spec(
-          self.engine.spec, wire.Compression(policy=body.policy, budget=body.budget)
+          engine.spec, wire.Compression(policy=body.policy, budget=body.budget)
       )
       if not spec.once:
         raise wire.BadRequest(
@@ -259,38 +337,42 @@ class _Service:
             "expected_attention, learned do)",
             "policy",
         )
-      prompt, tokens = _document(self.engine, body.text)
-      self.engine.check(
-          EngineRequest(prompt=prompt, spec=spec, max_tokens=1, emit=lambda event: None)
-      )
+      prompt = wire.document_prompt(engine.tokenizer, body.text)
+      job = EngineRequest(prompt=prompt, spec=spec, max_tokens=1, emit=lambda event: None)
+      engine.check(job)  # sets job.prompt_tokens: the document's, the opening included
     except RequestTooLarge as err:
-      self.count(endpoint, 400)
-      return _error(400, str(err), "invalid_request_error", "text")
+      err.field = "text"
+      return self.refused(request, endpoint, err)
     except wire.BadRequest as err:
-      self.count(endpoint, err.status)
-      return _error(err.status, str(err), "invalid_request_error", err.param, err.code)
+      if err.param and err.param.startswith("compression."):  # here, top-level fields
+        err.param = err.param.removeprefix("compression.")
+      return self.refused(request, endpoint, err)
     except (ValueError, TypeError) as err:
-      self.count(endpoint, 400)
-      return _error(400, str(err).splitlines()[0], "invalid_request_error", "text")
-    tenant, engine = request.state.tenant, self.engine
+      return self.refused(request, endpoint, wire.BadRequest(str(err).splitlines()[0], "text"))
+    tenant = request.state.tenant
 
     def compress_and_store():
       state = prefill(engine.model, [prompt], spec, tokenizer=engine.tokenizer, reserve=0)
-      return self.contexts.save(tenant, state, tokens)
+      return self.contexts.save(tenant, state, job.prompt_tokens)
 
     try:
       made = await asyncio.wrap_future(engine.call(compress_and_store))
     except QuotaExceeded as err:
-      self.count(endpoint, 429)
+      self.finish(request.scope, endpoint, 429)
       return _error(429, str(err), "insufficient_quota", code="insufficient_quota")
-    self.count(endpoint, 200)
+    except Exception as err:  # noqa: BLE001 - the read failed (a full disk, say): no traceback
+      self.finish(request.scope, endpoint, 500)
+      message = f"{type(err).__name__}: {err}".splitlines()[0]
+      return _error(500, f"the context could not be stored: {message}", "server_error")
+    job.kept_share, job.kv_bytes = made.kept_share, made.kv_bytes
+    self.finish(request.scope, endpoint, 200, job, 0)
     return {"object": "context", **dataclasses.asdict(made)}
 
   async def delete_context(self, request: Request, cid: str):
     deleted = self.contexts is not None and await asyncio.to_thread(
         self.contexts.delete, request.state.tenant, cid
     )
-    self.count("/v1/contexts", 200 if deleted else 404)
+    self.finish(request.scope, "/v1/contexts", 200 if deleted else 404)
     if not deleted:
       return _context_not_found()
     return {"id": cid, "object": "context", "deleted": True}
@@ -301,20 +383,23 @@ def _context_not_found():
   return _error(404, "no such context", "invalid_request_error", "context_id", "context_not_found")
 
 
-async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job):
-  """(new text, finish, tokens so far) as the engine's events come: finish None until the
-  end; a stop string ends the request (cancelled in the engine); an error raises."""
+async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job, per_token: bool):
+  """(new text, finish, tokens so far) as the engine's events come: one per token where
+  `per_token` (a stream; its text may be empty while a character's bytes are incomplete),
+  else one per engine event; finish None until the end; a stop string ends the request
+  (cancelled in the engine); an error raises."""
   generated = 0
   while True:
     kind, value = await events.get()
     if kind == "tokens":
-      generated += len(value)
-      new = text.add(value)
-      if text.stopped:
-        engine.cancel(job.id)
-        yield new, "stop", generated
-        return
-      yield new, None, generated
+      for ids in [[token] for token in value] if per_token else [value]:
+        generated += len(ids)
+        new = text.add(ids)
+        if text.stopped:
+          engine.cancel(job.id)
+          yield new, "stop", generated
+          return
+        yield new, None, generated
     elif kind == "done":
       yield "", value, generated
       return
@@ -328,32 +413,40 @@ def make_app(
     model_name: str,
     api_keys: set[str] | None = None,
     contexts: ContextStore | None = None,
+    default_temperature: float = 1.0,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as `model_name`; `api_keys` None: no key asked (a local
   server), else each key is its own tenant; `contexts`: where compressed contexts are kept
-  (None: no /v1/contexts)."""
-  service = _Service(engine, model_name, contexts)
+  (None: no /v1/contexts); `default_temperature`: a request's that gives none."""
+  service = _Service(engine, model_name, contexts, default_temperature)
 
   async def lifespan(app):
     yield
     # uvicorn runs this after in-flight requests finished (SIGTERM drains them).
     await asyncio.to_thread(engine.stop, True)
+    stats = engine.stats()
+    log.info(
+        "stopped after %d requests answered, %d tokens generated",
+        sum(service.requests.values()),
+        stats.get("generated_tokens", 0),
+    )
 
   app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-  app.add_middleware(_Auth, keys=api_keys)
+  app.add_middleware(_Auth, keys=api_keys, service=service)
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request: Request, exc: RequestValidationError):
     first = exc.errors()[0]
     loc = [str(x) for x in first["loc"] if x != "body"]
     param = None if first["type"] == "json_invalid" or not loc else ".".join(loc)
-    service.count(request.url.path, 400)
+    service.finish(request.scope, _endpoint_label(request.url.path), 400)
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     return _error(400, message, "invalid_request_error", param)
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: Request, exc: StarletteHTTPException):
-    service.count(request.url.path if exc.status_code != 404 else "other", exc.status_code)
+    endpoint = "other" if exc.status_code == 404 else _endpoint_label(request.url.path)
+    service.finish(request.scope, endpoint, exc.status_code)
     return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
   @app.get("/health")
@@ -361,7 +454,8 @@ def make_app(
     return {"status": "ok"}
 
   @app.get("/v1/models")
-  async def list_models():
+  async def list_models(request: Request):
+    service.finish(request.scope, "/v1/models", 200)
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvjax"}
     return {"object": "list", "data": [card]}
 
@@ -397,114 +491,70 @@ def _param_of(err: Exception) -> str | None:
   return None
 
 
-def _document(engine: Engine, text: str):
-  """(the prompt a context is read as, its tokens): the chat template's opening of a user
-  message (protected) where the model has one, else `<bos>` where it starts with one, then
-  the document; a question closes the message later (`_question`)."""
-  tokenizer = engine.tokenizer
-  opening, _ = chat_parts(tokenizer, True)
-  if not opening and getattr(tokenizer, "add_bos", False):
-    opening = [tokenizer.bos_id]
-  ids = tokenizer.encode(text)
-  if not ids:
-    raise wire.BadRequest("the text is empty", "text")
-  return [Segment(opening, protected=True), Segment(ids)], len(opening) + len(ids)
-
-
-def _question(engine: Engine, body, chat: bool):
-  """(ids, count) of what follows a context: a chat's one user message, closing the user
-  turn the context opened, or a completion's prompt as it is."""
-  tokenizer = engine.tokenizer
-  if chat:
-    if len(body.messages) != 1 or body.messages[0].role != "user":
-      raise wire.BadRequest("a chat over a context takes one user message", "messages")
-    ids = tokenizer.encode("\n\n" + body.messages[0].content) + chat_parts(tokenizer, True)[1]
-  elif isinstance(body.prompt, str):
-    ids = tokenizer.encode(body.prompt)
-  else:
-    ids = list(body.prompt)
-  if not ids:
-    raise wire.BadRequest("the question is empty", "messages" if chat else "prompt")
-  return ids, len(ids)
-
-
-def _prompt(engine: Engine, body, chat: bool):
-  """(the engine's prompt, its token count) of a chat or text completion request."""
-  tokenizer = engine.tokenizer
-  if chat:
-    if getattr(tokenizer, "chat_template", None) is None:
-      raise wire.BadRequest(
-          "this model has no chat template (a base model): use /v1/completions", "messages"
-      )
-    messages = [m.model_dump() for m in body.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode(text)
-  elif isinstance(body.prompt, str):
-    ids = tokenizer.encode(body.prompt)
-    bos = getattr(tokenizer, "bos_id", None)
-    if getattr(tokenizer, "add_bos", False) and ids[:1] != [bos]:
-      ids = [bos, *ids]
-  else:
-    vocab = engine.shape.vocab_size
-    if any(not 0 <= t < vocab for t in body.prompt):
-      raise wire.BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-    ids = list(body.prompt)
-  if not ids:
-    raise wire.BadRequest("the prompt is empty", "messages" if chat else "prompt")
-  return ids, len(ids)
-
-
 async def _gone(request: Request) -> None:
   """Returns once the client has disconnected (a non-streaming request gets no notice)."""
   while not await request.is_disconnected():
     await asyncio.sleep(0.1)
 
 
-async def _stream(flow, service: _Service, job, rid, chat, body, prompt_tokens, endpoint):
-  """The SSE body: chunks as the text comes, the finish, usage if asked, [DONE]. Left early
-  (the client went away), the request is cancelled."""
-  model, finished = service.model_name, False
+async def _stream(flow, service: _Service, request: Request, job, rid, chat, body):
+  """The SSE body: a chunk per token as it is decoded (the first with the role), the
+  finish, usage if asked, [DONE]. Left early (the client went away), the request is
+  cancelled."""
+  model, endpoint, finished = service.model_name, request.url.path, False
+  first, generated, sent = True, 0, 0
   try:
-    first, generated = True, 0
     async for new, finish, generated in flow:
-      if new or first:
+      if generated > sent or new or first:  # a token, or the role before an empty answer
         yield _sse(wire.chunk(rid, model, chat, new, None, first=first))
-        first = False
+        first, sent = False, generated
       if finish is not None:
         yield _sse(wire.chunk(rid, model, chat, None, finish))
         break
     finished = True
     if body.stream_options is not None and body.stream_options.include_usage:
       end = wire.chunk(rid, model, chat, None, None)
-      end["choices"], end["usage"] = [], wire.usage(prompt_tokens, generated)
+      end["choices"], end["usage"] = [], wire.usage(job.prompt_tokens, generated)
       yield _sse(end)
-    service.count(endpoint, 200)
+    service.finish(request.scope, endpoint, 200, job, generated)
     yield "data: [DONE]\n\n"
   except RuntimeError as err:  # the request failed alone (e.g. non-finite logits)
     finished = True
-    service.count(endpoint, 500)
+    service.finish(request.scope, endpoint, 500, job, generated)
     yield _sse(wire.error_body(str(err), "server_error"))
     yield "data: [DONE]\n\n"
   finally:
     if not finished:
       service.engine.cancel(job.id)
-      service.count(endpoint, 499)
+      service.finish(request.scope, endpoint, 499, job, generated)
 
 
 def _sse(body: dict) -> str:
   return f"data: {json.dumps(body)}\n\n"
 
 
-def serve(app: FastAPI, host: str, port: int, *, ready=None, drain_seconds: float = 30.0) -> None:
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    ready=None,
+    drain_seconds: float = 30.0,
+    log_level: str = "info",
+) -> None:
   """Runs `app` on uvicorn until SIGTERM or SIGINT; in-flight requests then finish (up to
-  `drain_seconds`) before the engine stops. `ready(port)` is called once it listens."""
+  `drain_seconds`) before the engine stops. `ready(port)` is called once it listens.
+  `log_level`: the operator's; uvicorn's own messages show from warnings up (kvjax logs
+  every request itself: no access log)."""
   import uvicorn
 
+  quiet = max(logging.WARNING, logging.getLevelName(log_level.upper()))
   config = uvicorn.Config(
       app,
       host=host,
       port=port,
-      log_level="warning",
+      log_level=quiet,
+      access_log=False,
       lifespan="on",
       timeout_graceful_shutdown=drain_seconds,
   )

@@ -215,3 +215,65 @@ def test_a_row_whose_logits_turn_non_finite_while_decoding_fails_alone():
 def test_an_engine_config_out_of_range_names_the_field(kwargs, error, message):
   with pytest.raises(error, match=message):
     EngineConfig(**kwargs)
+
+
+def test_a_chats_question_stays_in_every_layer_while_a_running_policy_evicts(model):
+  from kvjax.cache.paged_cache import logical_view, valid_mask
+  from kvjax.serving._protocol import chat_prompt
+  from test_protocol import ChatTokenizer
+
+  spec = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=8)
+  engine = _engine(model, spec, pages=120, rows=2)
+  messages = [
+      {"role": "system", "content": "Answer in one word. " * 3},
+      {"role": "user", "content": "Hello"},
+      {"role": "assistant", "content": "Hi, what do you want to know?"},
+      {"role": "user", "content": "What is the capital of France?"},
+  ]
+  prompt = chat_prompt(ChatTokenizer(), messages)
+  context, question = (len(segment.text) for segment in prompt)
+  assert [s.protected for s in prompt] == [False, True] and question > 16
+  held, events = [], []
+
+  def inspect(event):  # on the engine's thread, between two rounds: the batch is still
+    if event[0] == "tokens":
+      events.append(len(event[1]))
+      cache = engine.batch.state.cache
+      valid = np.asarray(valid_mask(cache))[:, 0]  # row 0: [L, H, N]
+      positions = np.asarray(logical_view(cache, cache.slot("position")))[:, 0]
+      n = positions.shape[-1]
+      pairs = zip(positions.reshape(-1, n), valid.reshape(-1, n))  # every layer and kv head
+      held.append([set(p[v].tolist()) for p, v in pairs])
+    collector(event)
+
+  collector = Collector()
+  request = Request(prompt, spec, 24, inspect, stream=True)
+  engine.submit(request)
+  assert collector.finished.wait(120) and collector.end == ("done", "length")
+  engine.stop()
+  asked = set(range(context, context + question))
+  assert events == [1] * 24  # a streaming request: its token after every step
+  for step, sequences in enumerate(held):
+    for kept in sequences:
+      assert asked <= kept, f"step {step}: the question lost {sorted(asked - kept)}"
+      assert len(kept) < context  # the context was compressed
+  assert request.protected_tokens == question
+  assert 0 < request.kept_share < 1 and request.kv_bytes > 0
+
+
+def test_a_streaming_request_gets_each_token_after_its_step_others_after_a_round(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+  sizes = {}
+  for stream in (False, True):
+    collector, sizes[stream] = Collector(), []
+
+    def emit(event, collector=collector, sizes=sizes[stream]):
+      if event[0] == "tokens":
+        sizes.append(len(event[1]))
+      collector(event)
+
+    engine.submit(Request(TOK.encode("a short prompt"), spec, 10, emit, stream=stream))
+    assert collector.finished.wait(120) and collector.end == ("done", "length")
+  engine.stop()
+  assert sizes == {False: [4, 4, 2], True: [1] * 10}
