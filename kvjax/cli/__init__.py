@@ -1,6 +1,6 @@
 """The `kvjax` command line: `main` and the top-level parser. Each command family adds its
-own subcommands: generate.py (generate, warmup), evaluate.py (eval, bench), state.py
-(prefill, ask), tune.py (tune, train-scorer), doctor.py (doctor), serve.py (serve)."""
+own subcommands: generate.py (generate, warmup), chat.py (chat), evaluate.py (eval, bench),
+state.py (prefill, ask), tune.py (tune, train-scorer), doctor.py (doctor), serve.py (serve)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 
-from kvjax.cli import doctor, evaluate, generate, serve, state, tune
+from kvjax._version import __version__
+from kvjax.cli import chat, doctor, evaluate, generate, serve, state, tune
 from kvjax.cli.common import EXIT_FAILED, EXIT_USAGE, Parser
 from kvjax.cli.spec_flags import spec_from_args
 
@@ -17,9 +18,11 @@ __all__ = ["EXIT_FAILED", "EXIT_USAGE", "build_parser", "main", "spec_from_args"
 
 def build_parser() -> argparse.ArgumentParser:
   parser = Parser(prog="kvjax", description="KV-cache compression for JAX.")
+  parser.add_argument("--version", action="version", version=f"kvjax {__version__}")
   commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
   # In the order `kvjax --help` lists them, which keeps train-scorer beside bench.
   generate.add_parsers(commands)
+  chat.add_parsers(commands)
   evaluate.add_parsers(commands)
   tune.add_train_scorer_parser(commands)
   state.add_parsers(commands)
