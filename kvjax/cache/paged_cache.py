@@ -532,8 +532,9 @@ def check_status(cache: PagedKVCache) -> None:
     )
   if status & Status.OVER_BUDGET:
     warnings.warn(
-        f"protected tokens exceed budget={cache.config.budget}; they were kept and the "
-        "cache holds more than its budget",
+        f"protected tokens (a question, marked segments) with the sink and recent window "
+        f"exceed budget={cache.config.budget} on some sequences: they were kept, so the cache "
+        "holds more than its budget",
         stacklevel=2,
     )
   if status & Status.NONFINITE_SCORES:
