@@ -43,6 +43,7 @@ from kvjax.runtime.compilation import compile_ahead, compiled
 from kvjax.runtime.generation import held_stats
 from kvjax.runtime.sampling import Sampling
 from kvjax.runtime.session import extend, prefill
+from kvjax.runtime.tokenizer import as_tokenizer
 from kvjax.seam import ModelShape
 from kvjax.serving import _batch
 from kvjax.spec import CompressionSpec
@@ -138,6 +139,9 @@ class Engine:
   """
 
   def __init__(self, model, tokenizer, spec: CompressionSpec, config: EngineConfig):
+    # Text in, text out, stop at EOS: kvjax's tokenizer contract (a tokenizers.Tokenizer or
+    # a transformers tokenizer is adapted), checked before the engine starts.
+    tokenizer = as_tokenizer(tokenizer, needs=("text", "decode", "stop"))
     self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
     self.shape = ModelShape.of(model)
     max_tokens = config.max_tokens or self.shape.max_context
