@@ -3,6 +3,8 @@ query statistics accumulated across chunks, the scores of a chunked prefill agai
 computation from the model's own queries, compression through the session, the cache's
 `extra` state, and models without `rotate`."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,8 +73,9 @@ def test_expected_attention_on_a_hand_computed_case():
 
 
 def test_policy_scores_with_identity_rotation_follow_the_formula():
-  """observe() on a hand-made cache: the statistics of the chunk's queries (the sink's left
-  out), rotated by the identity, give the formula's scores for every live key."""
+  """observe() on a hand-made cache gathers the statistics of the chunk's queries (the
+  sink's left out); score_layer() then gives, rotated by the identity, the formula's scores
+  for every live key."""
   cfg = kvjax.CacheConfig(page_size=4, max_tokens=16, budget=4, sink=1, recent=1, group_size=1)
   rng = np.random.default_rng(0)
   d, n = 4, 6
@@ -95,6 +98,9 @@ def test_policy_scores_with_identity_rotation_follow_the_formula():
       rotate=_no_position_encoding,
   )
   cache = policy.observe(cache, stats)
+  assert not np.asarray(cache.slot("score")).any()  # scored once the context is read
+  identity = types.SimpleNamespace(rotate=_no_position_encoding)
+  cache = policy.score_layer(cache, identity, 0, jnp.array([n]))
   score = np.asarray(kvjax.logical_view(cache, cache.slot("score")))[0, 0, 0]
   seen = q[0, 1:]  # [T - sink, Hq, D]
   mean = seen.mean(0)
@@ -206,8 +212,9 @@ def _reference_scores(model, ids, sink, n_future):
 
 def test_chunked_prefill_scores_equal_the_definition_on_the_models_own_queries(sharp):
   """Two rows of different lengths read in chunks of 32: the statistics accumulated over
-  the chunks, un-rotated and rotated to each row's own future, give the scores computed
-  directly from every query of the row (the short row keeps its scores once it ends)."""
+  the chunks, un-rotated and rotated to each row's own future (the short row's starts
+  after its own end, chunks before the long row's), give the scores computed directly from
+  every query of the row."""
   model, tokenizer = sharp, ByteTokenizer()
   rows = [tokenizer.encode(CONTEXT[:150]), tokenizer.encode(CONTEXT[:70])]
   policy = ExpectedAttention(n_future=64)

@@ -632,3 +632,85 @@ def test_a_fixed_setting_cheaper_than_the_learned_one_is_chosen():
   assert "kvzip with a learned allocation needs budget 0.4" in why and "h2o at budget 0.2" in why
   chosen, why = choose(learned, plain, plain, "kvzip", parse("kl=0.05"))
   assert chosen is learned and "learned head allocation" in why
+
+
+def test_a_memory_target_chooses_the_lowest_kl_within_it_and_says_so():
+  from kvjax.tuning._settings import choose
+  from kvjax.tuning._target import parse_target as parse
+
+  target = parse("memory=18MiB")
+  learned = _point("kvzip", 0.4, 0.03, 17.5, learned=True)
+  plain = _point("kvzip", 0.38, 0.05, 17.8)
+  chosen, why = choose(learned, plain, plain, "kvzip", target)
+  assert chosen is learned
+  assert why.startswith(
+      "kvzip with the learned head allocation has the lowest KL within 18.00 MiB per request: "
+      "KL 0.0300 at budget 0.4 (17.50 MiB)"
+  )
+  assert "default ranking reaches KL 0.0500 at budget 0.38 (17.80 MiB)" in why
+  snapkv = _point("snapkv", 0.35, 0.02, 17.0)
+  chosen, why = choose(learned, plain, snapkv, "kvzip", target)
+  assert chosen is snapkv
+  assert why.endswith(
+      "snapkv has the lowest KL within 18.00 MiB per request: KL 0.0200 at budget 0.35 (17.00 MiB)"
+  )
+  assert "least memory" not in why
+
+
+@pytest.mark.parametrize(
+    "target, reason",
+    [
+        ("memory=18MiB", "17.50 MiB, KL 0.0300: the lowest KL within 18.00 MiB"),
+        ("kl=0.05", "17.50 MiB, KL 0.0300: the least memory with kl <= 0.05"),
+    ],
+)
+def test_the_front_plot_marks_and_names_the_chosen_point(target, reason):
+  """front.png stars the chosen setting where it was measured, names it beside the star
+  and says in the legend what it is and why it was chosen; the best fixed setting is
+  marked too, and quantized settings have a line of their own."""
+  import matplotlib.pyplot as plt
+
+  from kvjax.tuning._result import TuneResult, front_figure
+
+  chosen = _point("kvzip", 0.4, 0.03, 17.5, learned=True)
+  chosen.spec = chosen.spec.replace(kv_dtype="int8")
+  baseline = _point("kvzip", 0.38, 0.05, 17.8)
+  points = [_point("kvzip", b, 0.1 / b, 40 * b) for b in (0.2, 0.3)] + [baseline, chosen]
+  result = TuneResult(
+      spec=chosen.spec,
+      target=parse_target(target),
+      reachable=True,
+      why="",
+      chosen=chosen,
+      baseline=baseline,
+      front=points,
+      points=points,
+      held_out={},
+      sample={},
+      timing={},
+      model="tiny",
+      fingerprint="",
+  )
+  fig = front_figure(result)
+  try:
+    (ax,) = fig.axes
+    described = f"chosen: kvzip + learned allocation, budget 0.4, page 16, int8 pages\n{reason}"
+    marks = {c.get_label(): c.get_offsets().tolist() for c in ax.collections}
+    assert marks[described] == [[17.5, 0.03]] and marks["best fixed"] == [[17.8, 0.05]]
+    (note,) = [t for t in ax.texts if t.get_text() == "chosen"]
+    assert note.xy == (17.5, 0.03)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert described in legend and "kvzip + learned allocation, int8 pages" in legend
+  finally:
+    plt.close(fig)
+
+
+def test_tune_help_says_how_long_the_default_run_takes(capsys):
+  from kvjax.cli.tune import DEFAULT_RUN_TIME
+
+  with pytest.raises(SystemExit) as done:
+    cli.main(["tune", "--help"])
+  assert done.value.code == 0
+  text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+  assert f"How long: {DEFAULT_RUN_TIME}." in text and "min on a 2-core" in DEFAULT_RUN_TIME
+  assert "estimate of the time left" in text

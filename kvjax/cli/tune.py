@@ -27,9 +27,25 @@ def add_train_scorer_parser(subparsers) -> None:
   train.set_defaults(func=_train_scorer)
 
 
+# How long the default run takes, measured (`kvjax tune --out tuned`, 2026-12-07; its steps'
+# times are `kvjax.tuning._eta.STEP_SECONDS`).
+DEFAULT_RUN_TIME = (
+    "the default run (SmolLM2-135M-Instruct, the shipped text, 24 items of 1024 + 32 tokens) "
+    "took 31 min on a 2-core AMD EPYC CPU shared with other work; it grows with --items, "
+    "--context-tokens and the model"
+)
+
+
 def add_tune_parser(subparsers) -> None:
   tuner = subparsers.add_parser(
-      "tune", help="choose the compression for a workload sample (learned allocation, optax)"
+      "tune",
+      help="choose the compression for a workload sample (learned allocation, optax)",
+      description="Measures candidate policies, budgets, a learned head allocation and "
+      "quantized pages on a workload sample, chooses the setting that meets --target with the "
+      "least memory (or, with --memory, the lowest KL within it), checks it on held-out items "
+      f"and writes tuned.json and front.png into --out. How long: {DEFAULT_RUN_TIME}. It "
+      'prints its progress on stderr, with an estimate of the time left ("about 12 min '
+      'left").',
   )
   data = tuner.add_mutually_exclusive_group()
   data.add_argument("--text", default=None, help="UTF-8 text sample (default: the shipped text)")

@@ -176,9 +176,11 @@ class Policy:
     """A context compressed once (`mode == "once"`): the state with `context` read and
     scored, nothing evicted yet. `reader` (from the session) reads tokens into a state
     (`reader.read(state, encoded, observe=True, ...)`), reads tokens after one span of the
-    context only (`reader.read_after_span`) and cuts a cache back
-    (`reader.cut(state, length)`). By default the policy observes while the context is
-    read."""
+    context only (`reader.read_after_span`), cuts a cache back (`reader.cut(state,
+    length)`) and runs `self.score_layer(cache, model, layer, next_position)` on every
+    layer (`reader.score_layers`). `progress(done, total)` must cover all of it:
+    `reader.progress(progress, total)` splits it into parts, one per read or pass. By
+    default the policy observes while the context is read."""
     return reader.read(state, context, progress=progress)
 
 

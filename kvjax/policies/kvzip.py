@@ -57,9 +57,8 @@ class KVzip(Policy):
     """Reads the context (not observing: the scores come from repeating it), then has the
     model repeat it, one chunk per pass; a key's score is the most attention any repeating
     query pays it. Each pass's tokens are dropped again: memory peaks at the context + one
-    chunk."""
+    chunk. `progress` counts the tokens read, then each pass's."""
     first = to_host(state.position)  # [B] where each row's context starts
-    state = reader.read(state, context, observe=False, progress=progress)
     tokenizer, max_context = reader.tokenizer, reader.shape.max_context
     prompt = tokenizer.encode(RECONSTRUCTION_PROMPT) if tokenizer is not None else []
     longest = int(context.lengths.max())
@@ -77,6 +76,10 @@ class KVzip(Policy):
             f"tokens leaves no room in the model context {max_context} (attend_to='chunk' "
             "repeats each chunk after its own span)"
         )
+    starts = range(0, longest, chunk)
+    pass_tokens = [len(prompt) + min(chunk, longest - start) for start in starts]
+    work = reader.progress(progress, longest + sum(pass_tokens))
+    state = reader.read(state, context, observe=False, progress=work.part(longest))
     logits, position = state.logits, state.position
     state = state.replace(
         cache=state.cache.with_slots(score=jnp.zeros_like(state.cache.slot("score")))
@@ -87,10 +90,13 @@ class KVzip(Policy):
     if not local:
       step = min(step, config.max_tokens - longest)
       context_length = jnp.copy(state.cache.length)  # what each whole-context pass is cut to
-    for start in range(0, longest, chunk):
+    for start, tokens in zip(starts, pass_tokens):
       rows = [prompt + row[start : start + chunk] for row in context.ids]
       options = dict(
-          key=jax.random.fold_in(state.key, start), step=f"{self.name} scoring", chunk=max(step, 1)
+          key=jax.random.fold_in(state.key, start),
+          step=f"{self.name} scoring",
+          chunk=max(step, 1),
+          progress=work.part(tokens),
       )
       if local:
         # The pass sits after the whole context, as a repeat does (measured: after its own

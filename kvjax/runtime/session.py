@@ -67,8 +67,10 @@ def prefill(
     seed: randomness for sampling and random eviction (`jax.random.key(seed)`), when no
       `key` is given: an int in [0, 2**32 - 1].
     key: a jax random key, used instead of `seed`.
-    progress: called as `progress(tokens_read, tokens_total)` (of the longest prompt) after
-      each prefill chunk, e.g. to draw a progress bar.
+    progress: called as `progress(done, total)` as the context is read, e.g. to draw a
+      progress bar: tokens of the longest prompt; for a policy that compresses the context
+      once, `total` also counts its scoring (kvzip's passes, expected_attention's keys), so
+      `done == total` once the context is scored.
     mesh: shard the cache and the model over devices (`kvjax.sharding`): a jax `Mesh` with
       axes ('data', 'model'), "data=2,model=2", a dict or (data, model). Rows go over
       `data`, kv heads over `model`; the model's weights are placed on the mesh (in place)

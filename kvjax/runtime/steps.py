@@ -383,6 +383,49 @@ def run_decode(
   return _chunk_free(decoding.state, like=state), result
 
 
+class WorkProgress:
+  """`callback(done, total)` over work made of several parts (a context read, then the
+  passes that score it), in one unit (tokens processed: read, or scored): each part
+  reports its own progress, counted after the parts before it, against the whole's
+  `total`, so a bar reaches its end when the last part does. A policy gets one from
+  `ContextReader.progress`."""
+
+  def __init__(self, callback, total: int):
+    self._callback, self.total, self._claimed = callback, int(total), 0
+
+  def part(self, size: int):
+    """The callback for the next part, `size` units of the total: it takes the part's own
+    `(done, of)` (tokens of a read, layers of a scoring pass) and reports the whole's. None
+    when nobody listens."""
+    if self._callback is None:
+      return None
+    before, size = self._claimed, int(size)
+    self._claimed += size
+
+    def report(done, of):
+      self._callback(min(before + size * min(done, of) // max(of, 1), self.total), self.total)
+
+    return report
+
+
+def _score_layer_returns(params, cache, *_):
+  return cache  # `_score_layer`'s output structure (`compiled`)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy"), donate_argnames="cache")
+def _score_layer(params, cache, layer, next_position, *, graphdef, policy):
+  """`policy.score_layer` on one layer (traced: one program for every layer), per shard."""
+  model = nnx.merge(graphdef, params)
+  scored = shards.on_shards(
+      lambda c, layer, after: policy.score_layer(c, model, layer, after),
+      cache,
+      layer,
+      next_position,
+      specs=(P(), P(shards.DATA)),
+  )
+  return shards.constrain(scored)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextReader:
   """What a policy's `score_context` may do with a context before it is compressed: read
@@ -430,6 +473,29 @@ class ContextReader:
   def cut(self, state, length) -> State:
     """The state with every sequence cut back to `length` tokens (their pages freed)."""
     return state.replace(cache=truncate(state.cache, length))
+
+  def progress(self, callback, total: int) -> WorkProgress:
+    """`callback(done, total)` shared by the parts of a policy's scoring (`WorkProgress`):
+    `total` counts every part, e.g. the context's tokens plus each pass's."""
+    return WorkProgress(callback, total)
+
+  def score_layers(self, state, policy, progress=None) -> State:
+    """The state with `policy.score_layer(cache, model, layer, next_position)` run on each
+    layer in turn (one compiled step, per shard), after the context is read: scores from
+    what the policy observed while reading. `next_position` [B]: the position after each
+    row's last token. `progress(layers_done, layers)` after each layer."""
+    graphdef, params = nnx.split(self.model)
+    mesh = state.cache.mesh
+    cache, layers = state.cache, state.cache.num_layers
+    next_position = shards.rows(state.position, mesh)
+    for layer in range(layers):
+      args = (params, cache, shards.replicated(np.int32(layer), mesh), next_position)
+      statics = {"graphdef": graphdef, "policy": policy}
+      step = compiled(_score_layer, statics, *args, returns=_score_layer_returns)
+      cache = step(*args)
+      if progress is not None:
+        progress(layer + 1, layers)
+    return state.replace(cache=cache)
 
   def read_after_span(
       self, state, encoded, *, start: int, span: int, sink: int, lookback: int = 0, **read_options

@@ -39,8 +39,9 @@ import numpy as np
 from kvjax.fingerprint import model_fingerprint
 from kvjax.seam import ModelShape
 from kvjax.spec import CompressionSpec
+from kvjax.tuning._eta import STEPS, Clock
 from kvjax.tuning._result import Point, TuneResult, plot_front
-from kvjax.tuning._settings import Search, best, better, choose, closest, pareto
+from kvjax.tuning._settings import Search, at, best, better, choose, closest, pareto
 from kvjax.tuning._spec_file import load_spec
 from kvjax.tuning._target import Target, accuracy_bound, items_for_accuracy, parse_target
 from kvjax.tuning._workload import question_items, split, text_items
@@ -113,14 +114,17 @@ def tune(
       f"{len(items)} items ({len(tune_items)} to tune on, {len(held_items)} held out); "
       f"target {target}"
   )
-  search = Search(model, tokenizer, items, target, say, once)
+  clock = Clock(say, [s for s in STEPS if s != "kv_dtype" or kv_dtypes])
+  clock.step("calibrate")
+  search = Search(model, tokenizer, items, target, say, once, item_done=clock.advance)
   timing = {"calibrate_s": round(time.perf_counter() - started, 1)}
   tune_idx = list(range(len(tune_items)))
   chosen, baseline, reachable, why = _choose_setting(
-      search, once, running, tune_idx, steps, page_sizes, kv_dtypes, timing
+      search, once, running, tune_idx, steps, page_sizes, kv_dtypes, timing, clock
   )
   say(why)
   # 4. The held-out check, with the real pipeline.
+  clock.step("held_out")
   check_started = time.perf_counter()
   held = search.held_out_check(chosen.spec, baseline, list(range(len(tune_items), len(items))))
   timing["held_out_s"] = round(time.perf_counter() - check_started, 1)
@@ -150,12 +154,22 @@ def tune(
 
 
 def _choose_setting(
-    search: Search, once, running, tune_idx, steps, page_sizes, kv_dtypes, timing: dict
+    search: Search,
+    once,
+    running,
+    tune_idx,
+    steps,
+    page_sizes,
+    kv_dtypes,
+    timing: dict,
+    clock: Clock | None = None,
 ) -> tuple[Point, Point | None, bool, str]:
   """Steps 1-3 of the module docstring on the tuning items: (the chosen point, the best
   fixed setting, whether the target is reachable, why in words); `timing` gets each step's
-  seconds."""
+  seconds, `clock` hears where the run is."""
   target = search.target
+  step = clock.step if clock is not None else lambda _: None
+  step("fixed")
   started = time.perf_counter()
   # 1. Every policy with its defaults: the best fixed setting.
   fixed, best_once = search.fixed_settings(once, running, tune_idx)
@@ -163,6 +177,7 @@ def _choose_setting(
   timing["fixed_s"] = round(time.perf_counter() - started, 1)
 
   # 2. A learned allocation for the best compress-once policy, at its budget.
+  step("learn")
   learn_started = time.perf_counter()
   start_from = (best_once or closest(search.tried, target)).spec
   policy = start_from.policy.name
@@ -176,24 +191,37 @@ def _choose_setting(
   chosen, why = choose(learned, plain, baseline, policy, target)
   if chosen is None:
     chosen = closest(search.tried, target)
+    nearest = (
+        f"the smallest: {chosen.spec.policy.name} at budget {chosen.spec.budget}, at most "
+        f"{chosen.measured.kv_bytes_bound / 2**20:.2f} MiB per request"
+        if target.metric == "memory"
+        else f"the best: {chosen.spec.policy.name} at budget {chosen.spec.budget}, KL "
+        f"{chosen.measured.kl:.4f}"
+    )
     why = (
-        f"no setting tried meets {target} (the best: {chosen.spec.policy.name} at budget "
-        f"{chosen.spec.budget}, KL {chosen.measured.kl:.4f}); the target is not reachable "
-        "with these policies: the closest setting is written, marked unreachable"
+        f"no setting tried meets {target} ({nearest}); the target is not reachable with these "
+        "policies: the closest setting is written, marked unreachable"
     )
     return chosen, baseline, False, why
   # 3. The chosen setting with quantized pages, where it holds less.
   if kv_dtypes:
+    step("kv_dtype")
     quantized_started = time.perf_counter()
     quantized = search.quantized_setting(chosen, kv_dtypes, tune_idx[:8])
     timing["kv_dtype_s"] = round(time.perf_counter() - quantized_started, 1)
     if quantized is not None:
       chosen = quantized
-      why += (
-          f"; stored as {quantized.spec.kv_dtype} pages it meets {target} at budget "
-          f"{quantized.spec.budget} in {quantized.measured.kv_bytes / 2**20:.2f} MiB (real runs "
-          f"on {quantized.items} items)"
-      )
+      runs = f"(real runs on {quantized.items} items)"
+      if target.metric == "memory":
+        why += (
+            f"; stored as {quantized.spec.kv_dtype} pages, a larger budget fits with a lower "
+            f"KL: {at(quantized, kl=True)} {runs}"
+        )
+      else:
+        why += (
+            f"; stored as {quantized.spec.kv_dtype} pages it meets {target} at budget "
+            f"{quantized.spec.budget} in {quantized.measured.kv_bytes / 2**20:.2f} MiB {runs}"
+        )
   return chosen, baseline, True, why
 
 

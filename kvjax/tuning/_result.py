@@ -116,47 +116,10 @@ class TuneResult:
 
 
 def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
-  """Quality vs memory of every setting tried (a line per policy, with and without the
-  learned allocation), the chosen and the best fixed one."""
-  import matplotlib
-
-  matplotlib.use("Agg")
+  """Writes `front_figure(result)` to `path` (PNG)."""
+  fig = front_figure(result)  # selects the Agg backend before pyplot is imported here
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
-  by_kind = {}
-  for p in result.points:
-    key = f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
-    by_kind.setdefault(key, []).append(p)
-  for key, points in sorted(by_kind.items()):
-    per_budget = {(p.spec.budget, p.spec.page_size): p for p in points}
-    points = sorted(per_budget.values(), key=lambda p: p.measured.kv_bytes)
-    ax.plot(
-        [p.measured.kv_bytes / 2**20 for p in points],
-        [max(p.measured.kl, 1e-6) for p in points],
-        marker="o",
-        label=key,
-    )
-  for p, label, style in ((result.chosen, "chosen", "*"), (result.baseline, "best fixed", "s")):
-    if p is not None:
-      ax.scatter(
-          [p.measured.kv_bytes / 2**20],
-          [max(p.measured.kl, 1e-6)],
-          marker=style,
-          s=160,
-          zorder=5,
-          label=label,
-          edgecolors="black",
-      )
-  if result.target.metric == "kl":
-    ax.axhline(result.target.value, color="gray", linestyle="--", label=str(result.target))
-  elif result.target.metric == "memory":
-    ax.axvline(result.target.value / 2**20, color="gray", linestyle="--", label=str(result.target))
-  ax.set_yscale("log")
-  ax.set_xlabel("K/V MiB held per request (mean over the items measured)")
-  ax.set_ylabel("KL(full || compressed), nats")
-  ax.set_title(f"kvjax tune: {result.model}")
-  ax.legend(fontsize=7)
   # Written atomically like tuned.json (a temporary beside it, renamed over it: a symlink
   # planted at `path` is replaced, never followed).
   try:
@@ -167,3 +130,90 @@ def plot_front(result: TuneResult, path: pathlib.Path) -> pathlib.Path:
     plt.close(fig)
   files.write_bytes(path, png.getvalue())
   return path
+
+
+def front_figure(result: TuneResult):
+  """Quality vs memory of every setting tried (a line per policy, with and without the
+  learned allocation), the target, the best fixed setting and the chosen one, marked and
+  labelled with what it is and why it was chosen. The caller closes the figure."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(9.6, 4.2), dpi=110)
+  by_kind = {}
+  for p in result.points:
+    # A line per setting kind: quantized pages hold a budget in fewer bytes, so on their
+    # kind's float line they would zigzag back.
+    key = f"{p.spec.policy.name}{' + learned allocation' if p.learned else ''}"
+    key += f", {p.spec.kv_dtype} pages" if p.spec.kv_dtype else ""
+    by_kind.setdefault(key, []).append(p)
+  for key, points in sorted(by_kind.items()):
+    per_budget = {(p.spec.budget, p.spec.page_size): p for p in points}
+    points = sorted(per_budget.values(), key=lambda p: p.measured.kv_bytes)
+    ax.plot(
+        [p.measured.kv_bytes / 2**20 for p in points],
+        [max(p.measured.kl, 1e-6) for p in points],
+        marker="o",
+        label=key,
+    )
+  # The chosen setting: starred, named beside the star, and described in the legend (what
+  # it is and why it was chosen), where a box beside the star would hide other points.
+  chosen = f"chosen: {_setting(result.chosen)}\n{_reason(result)}"
+  for p, label, style in ((result.baseline, "best fixed", "s"), (result.chosen, chosen, "*")):
+    if p is not None:
+      ax.scatter(
+          *_xy(p),
+          marker=style,
+          s=240 if p is result.chosen else 160,
+          zorder=5,
+          label=label,
+          edgecolors="black",
+      )
+  ax.annotate(
+      "chosen",
+      xy=_xy(result.chosen),
+      xytext=(9, -3),
+      textcoords="offset points",
+      fontsize=8,
+      fontweight="bold",
+      zorder=6,
+  )
+  if result.target.metric == "kl":
+    ax.axhline(result.target.value, color="gray", linestyle="--", label=str(result.target))
+  elif result.target.metric == "memory":
+    ax.axvline(result.target.value / 2**20, color="gray", linestyle="--", label=str(result.target))
+  ax.set_yscale("log")
+  ax.set_xlabel("K/V MiB held per request (mean over the items measured)")
+  ax.set_ylabel("KL(full || compressed), nats")
+  ax.set_title(f"kvjax tune: {result.model}")
+  # Beside the axes, not on them: inside, the legend hid measured points.
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+  return fig
+
+
+def _xy(point: Point) -> tuple[float, float]:
+  """Where a point is drawn: its mean MiB and KL (floored for the log axis)."""
+  return point.measured.kv_bytes / 2**20, max(point.measured.kl, 1e-6)
+
+
+def _setting(point: Point) -> str:
+  """'kvzip + learned allocation, budget 0.19, page 8, int8 pages'."""
+  spec = point.spec
+  parts = [spec.policy.name + (" + learned allocation" if point.learned else "")]
+  parts.append(f"budget {spec.budget}, page {spec.page_size}")
+  if spec.kv_dtype:
+    parts.append(f"{spec.kv_dtype} pages")
+  return ", ".join(parts)
+
+
+def _reason(result: TuneResult) -> str:
+  """Why the chosen point, in a few words: what the target asked of it."""
+  m = result.chosen.measured
+  held = f"{m.kv_bytes / 2**20:.2f} MiB, KL {m.kl:.4f}"
+  if not result.reachable:
+    return f"{held}; the closest to {result.target} (not reached)"
+  if result.target.metric == "memory":
+    return f"{held}: the lowest KL within {result.target.value / 2**20:.2f} MiB"
+  return f"{held}: the least memory with {result.target}"

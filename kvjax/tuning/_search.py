@@ -55,9 +55,11 @@ def calibrate(
     policies: Sequence[str],
     *,
     progress: Progress | None = None,
+    item_done: Callable[[int, int], None] | None = None,
 ) -> Calibration:
   """Scores every item's context with each compress-once policy (the context's K/V come from
-  the first: every policy reads the same full context) and the full cache's predictions."""
+  the first: every policy reads the same full context) and the full cache's predictions;
+  `progress(line)` and `item_done(items_done, items_total)` after each item."""
   shape = ModelShape.of(model)
   if not policies:
     raise ValueError("calibrate needs at least one compress-once policy")
@@ -75,6 +77,8 @@ def calibrate(
         values.append(scored.values[:, 0, :, :n])
     if progress is not None:
       progress(f"scored item {i + 1}/{len(items)} ({len(item.ids)} tokens) with {list(policies)}")
+    if item_done is not None:
+      item_done(i + 1, len(items))
   # Predictions of continuation[1:], from continuation[:-1] fed after the context (the first
   # continuation token's prediction is made before compression: identical to the full cache).
   conts = [np.asarray(it.continuation[:-1], np.int32) for it in items]

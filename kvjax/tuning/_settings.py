@@ -18,9 +18,10 @@ from pallas_kernels.page_format import QUANTIZED_DTYPES, token_bytes
 class Search:
   """The search's measurements on one calibrated workload: every point tried is kept."""
 
-  def __init__(self, model, tokenizer, items, target: Target, say, once: list[str]):
+  def __init__(self, model, tokenizer, items, target: Target, say, once: list[str], item_done=None):
+    """`item_done(done, total)`: after each item is scored (`_search.calibrate`)."""
     self.model, self.tokenizer, self.target, self.say = model, tokenizer, target, say
-    self.cal = _search.calibrate(model, tokenizer, items, once, progress=say)
+    self.cal = _search.calibrate(model, tokenizer, items, once, progress=say, item_done=item_done)
     self.full_ok = np.asarray([it.correct(it.full_answer) if it.question else True for it in items])
     self.lengths = sorted({it.budget_length for it in items})
     self.grid = _search.fractions()
@@ -217,30 +218,48 @@ class Search:
 
 def choose(learned, plain, baseline, policy, target) -> tuple[Point | None, str]:
   """The learned setting (given where it beats `policy`'s default ranking, `plain`), else
-  the best fixed setting; with why, in words. (None, "") when neither meets the target."""
+  the best fixed setting; with why, in words: for a quality target the least memory that
+  meets it, for a memory target the lowest KL within it. (None, "") when neither meets the
+  target."""
+  within = target.metric == "memory"
   if learned is not None and (baseline is None or better(learned, baseline, target)):
+    if within:
+      judged = "(each tuning item judged by an allocation learned without it)"
+      return learned, (
+          f"{policy} with the learned head allocation has the lowest KL within {limit(target)}"
+          f": {at(learned, kl=True)} {judged}, where {policy}'s default ranking "
+          + ("fits at no budget tried" if plain is None else f"reaches {at(plain, kl=True)}")
+      )
     return learned, (
         f"{policy} with the learned head allocation meets {target} on tuning items (each judged "
-        f"by an allocation learned without it) at budget {learned.spec.budget} "
-        f"({learned.measured.kv_bytes / 2**20:.2f} MiB), where {policy}'s default ranking needs "
-        + (
-            "more than any budget tried"
-            if plain is None
-            else f"budget {plain.spec.budget} ({plain.measured.kv_bytes / 2**20:.2f} MiB)"
-        )
+        f"by an allocation learned without it) at {at(learned)}, where {policy}'s default ranking needs "
+        + ("more than any budget tried" if plain is None else at(plain))
     )
   if baseline is not None:
-    beaten = (
-        f"{policy} with a learned allocation needs budget {learned.spec.budget} "
-        f"({learned.measured.kv_bytes / 2**20:.2f} MiB)"
-        if learned is not None
-        else f"the learned allocation did not beat {policy}'s default ranking on held-in items"
-    )
-    return baseline, (
-        f"{beaten}; {baseline.spec.policy.name} at budget {baseline.spec.budget} "
-        f"({baseline.measured.kv_bytes / 2**20:.2f} MiB) is the least memory meeting {target}"
-    )
+    if learned is None:
+      beaten = f"the learned allocation did not beat {policy}'s default ranking on held-in items"
+    elif within:
+      beaten = f"{policy} with a learned allocation reaches {at(learned, kl=True)}"
+    else:
+      beaten = f"{policy} with a learned allocation needs {at(learned)}"
+    name = baseline.spec.policy.name
+    if within:
+      return baseline, (
+          f"{beaten}; {name} has the lowest KL within {limit(target)}: {at(baseline, kl=True)}"
+      )
+    return baseline, f"{beaten}; {name} at {at(baseline)} is the least memory meeting {target}"
   return None, ""
+
+
+def limit(target: Target) -> str:
+  """A memory target as a bound: '8.00 MiB per request'."""
+  return f"{target.value / 2**20:.2f} MiB per request"
+
+
+def at(point: Point, kl: bool = False) -> str:
+  """'budget 0.19 (7.91 MiB)', or with `kl` 'KL 0.0408 at budget 0.19 (7.91 MiB)'."""
+  where = f"budget {point.spec.budget} ({point.measured.kv_bytes / 2**20:.2f} MiB)"
+  return f"KL {point.measured.kl:.4f} at {where}" if kl else where
 
 
 def spec_or_none(make_spec, rho, lengths):
