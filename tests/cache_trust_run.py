@@ -23,7 +23,7 @@ def main(checkpoint: str) -> None:
   from kvjax.runtime import compilation
   from kvjax.testing import ByteTokenizer, tiny_llama
 
-  spec = kvjax.CompressionSpec(policy="h2o", budget=24, prefill_chunk=8)
+  spec = kvjax.CompressionSpec(policy="h2o", budget=8, page_size=4, prefill_chunk=8)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     os.environ["KVJAX_EXECUTABLES"] = "off"

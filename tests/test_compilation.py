@@ -9,7 +9,7 @@ from kvjax.runtime import compilation
 from kvjax.testing import ByteTokenizer, counting_traces, tiny_llama
 from models.llama import Llama
 
-SPEC = kvjax.CompressionSpec(policy="h2o", budget=24, prefill_chunk=8)
+SPEC = kvjax.CompressionSpec(policy="h2o", budget=8, page_size=4, prefill_chunk=8)
 
 
 @pytest.fixture
@@ -48,13 +48,13 @@ def test_a_stored_step_loads_without_tracing_and_computes_the_same(store, monkey
 
 
 def test_other_weights_reuse_the_step_other_shapes_do_not(store, monkeypatch):
-  kvjax.generate(tiny_llama(seed=0), ByteTokenizer(), ["abc"], SPEC, max_new_tokens=4)
+  kvjax.generate(tiny_llama(seed=0), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   stored = set(store.glob("*.bin"))
   compilation._KEPT.clear()
-  other = kvjax.generate(tiny_llama(seed=1), ByteTokenizer(), ["abc"], SPEC, max_new_tokens=4)
+  other = kvjax.generate(tiny_llama(seed=1), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   assert other.stats["loaded"] == 2, "weights are arguments, not part of the step"
   compilation._KEPT.clear()
-  deeper = kvjax.generate(tiny_llama(n_layers=3), ByteTokenizer(), ["abc"], SPEC, max_new_tokens=4)
+  deeper = kvjax.generate(tiny_llama(n_layers=3), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   assert deeper.stats["loaded"] == 0 and len(set(store.glob("*.bin")) - stored) == 2
 
 
@@ -106,13 +106,13 @@ def test_code_outside_the_hashed_packages_is_never_stored(store):
 
   model = tiny_llama()
   model.__class__ = OwnModel
-  result = kvjax.generate(model, ByteTokenizer(), ["abc"], SPEC, max_new_tokens=4)
+  result = kvjax.generate(model, ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   assert result.stats["compiles"] == 2 and not list(store.glob("*.bin"))
 
 
 def test_the_store_can_be_turned_off(store, monkeypatch):
   monkeypatch.setenv("KVJAX_EXECUTABLES", "off")
-  kvjax.generate(tiny_llama(), ByteTokenizer(), ["abc"], SPEC, max_new_tokens=4)
+  kvjax.generate(tiny_llama(), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   assert not store.exists()
 
 

@@ -151,11 +151,12 @@ def _generate(args) -> int:
       mesh=mesh,
   )
   # A stream checks its arguments against the model (its context length) when it is made
-  # and runs nothing until it is read; --json decodes all tokens in one call.
-  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=not args.json, **options)
+  # and runs nothing until it is read.
+  generation = kvjax.generate(model, tokenizer, [prompt], spec, stream=True, **options)
   common.begin_work(args)
   if args.json:
-    result = generation
+    # Not the stream: --json decodes all tokens in one call, the stream one by one.
+    result = kvjax.generate(model, tokenizer, [prompt], spec, **options)
     print(
         json.dumps(
             {
