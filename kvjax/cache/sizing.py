@@ -1,10 +1,14 @@
 """How many tokens and pages a cache is sized for: the one home of the capacity buckets, the
-eviction margin, the peak a sequence reaches under eviction and the pool a layer needs.
-`CompressionSpec.plan` sizes a new cache with it, `kvjax.runtime.pool.fit` grows one with it, and
-`CacheConfig` takes its default threshold from it, so the three cannot drift apart.
+eviction margin, the peak a sequence reaches under eviction, the pool a layer needs and the
+pages a request takes in a served batch's pool (`ServedRows`). `CompressionSpec.plan` sizes a
+new cache with it, `kvjax.runtime.pool.fit` grows one with it, `CacheConfig` takes its
+default threshold from it and the serving engine admits requests by it, so they cannot
+drift apart.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -126,3 +130,87 @@ def full_cache_bytes(lengths, windows, *, kv_heads: int, page_size: int, page_by
       held = n - passed_pages(n, window, page_size) * page_size if window else n
       total += pages_for(int(held), page_size)
   return int(total) * kv_heads * page_bytes
+
+
+# ---- a request in a served batch (kvjax.serving) ------------------------------------------
+
+
+def kept_floor(page_size: int, sink: int, recent: int, group_size: int, protected: int = 0) -> int:
+  """Tokens a sequence holds however it evicts: its sink, its recent window and its
+  `protected` tokens, in whole groups (one group more for a protected span that starts
+  mid-group)."""
+  floor = min_budget(page_size, sink, recent, group_size)
+  if protected and group_size > 1:
+    return floor + (pages_for(protected, group_size) + 1) * group_size
+  return floor + protected
+
+
+_KEEPS_ALL = np.iinfo(np.int32).max // 2  # a threshold no sequence passes (eviction's NEVER)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedRows:
+  """The pages a request takes in the pool of a served batch (`kvjax.serving`): the one
+  count that admission reserves, the engine checks and the batch enforces.
+
+  A request is read (prefilled) in a cache of its own, with its own plan, then inserted into
+  a row of the pool holding what it kept, and decodes there one token a step: each step
+  appends before the layer cuts the sequence back, a full layer by the batch's eviction once
+  it passes the row's budget and the batch's `margin` (tokens), a sliding layer (a window > 0
+  in `windows`, [L]) by freeing the pages its window passed. What the row holds at its peak
+  is what it needs."""
+
+  windows: tuple[int, ...]
+  kv_heads: int
+  page_size: int
+  margin: int  # 0 where the batch evicts nothing
+
+  def thresholds(self, row_budget: int | None) -> np.ndarray:
+    """[L] the most tokens a sequence holds between two decode steps: on a full layer the
+    row's budget and the margin (`row_budget` None: the row keeps every token), on a
+    sliding layer its window's latest tokens and up to a page more."""
+    windows = np.asarray(self.windows, np.int64)
+    full = _KEEPS_ALL if row_budget is None else row_budget + self.margin
+    return np.where(windows > 0, window_peak(windows, self.page_size, 1) - 1, full)
+
+  def peak_pages(self, kept, new_tokens: int, row_budget: int | None) -> np.ndarray:
+    """[L, H] pages each sequence holds at its peak, inserted holding `kept` tokens ([L, H],
+    or [L] for every kv head) and generating up to `new_tokens`. The step that passes a
+    threshold holds one token more than it, and so does the first step of a sequence
+    inserted above it (a prompt read with a larger margin, or budget, than the row's)."""
+    kept = np.asarray(kept, np.int64)
+    kept = np.broadcast_to(
+        kept[:, None] if kept.ndim == 1 else kept, (len(self.windows), self.kv_heads)
+    )
+    cap = np.maximum(kept, self.thresholds(row_budget)[:, None]) + 1
+    return pages_for(np.minimum(kept + new_tokens, cap), self.page_size)
+
+  def read_bound(
+      self, prompt: int, *, budgets=None, margin_tokens: int = 0, floor: int = 0
+  ) -> np.ndarray:
+    """[L] the most tokens a sequence of each layer holds once a prompt of `prompt` tokens is
+    read in chunks: all of them where nothing evicts (`budgets` None); under a running
+    policy, which evicts after a chunk once a sequence passes its layer's budget (`budgets`,
+    [L]) and the reading plan's `margin_tokens`, back to the budget or to `floor` (what it
+    cannot evict: `kept_floor`), the budget and that margin, or the floor; on a sliding
+    layer, which slides after each chunk, its window's latest tokens and up to a page more."""
+    windows = np.asarray(self.windows, np.int64)
+    if budgets is None:
+      full = np.full(windows.shape, prompt, np.int64)
+    else:
+      full = np.maximum(np.asarray(budgets, np.int64) + margin_tokens, floor)
+    sliding = window_peak(windows, self.page_size, 1) - 1
+    return np.minimum(prompt, np.where(windows > 0, sliding, full))
+
+  def once_bound(self, prompt: int, new_tokens: int, *, budget: int, floor: int) -> int:
+    """Pages a row holds at its peak, at most, for a prompt of `prompt` tokens compressed
+    once when read, before it is read: its full layers' sequences keep `budget` tokens each
+    on average (a ranking shared across them may give one more and another less, so they
+    are counted together, with a partly filled page each), or `floor` each where that is
+    more, and grow by `new_tokens` each, keeping them; a sliding layer's hold its window.
+    Never more than the full cache's."""
+    every = self.peak_pages(self.read_bound(prompt), new_tokens, None)
+    sliding = np.asarray(self.windows) > 0
+    full = int((~sliding).sum()) * self.kv_heads
+    kept = pages_for(full * (max(budget, floor) + new_tokens), self.page_size) + full
+    return min(int(every.sum()), int(every[sliding].sum()) + kept)

@@ -81,6 +81,18 @@ def _size(n: int) -> str:
   return f"{n}B"
 
 
+def _check_servable(spec) -> None:
+  """A ValueError naming the flag (`--head-budget layer`) unless the engine can serve `spec`
+  (`kvjax.serving._engine.check_servable`): refused before the model loads."""
+  from kvjax.serving._engine import Unservable, check_servable
+
+  try:
+    check_servable(spec)
+  except Unservable as err:
+    flag = "--" + err.field.replace("_", "-")
+    raise ValueError(f"{flag} {err.value} cannot be served: {err.reason}") from None
+
+
 def add_parsers(subparsers) -> None:
   import kvjax
 
@@ -149,6 +161,7 @@ def _serve(args) -> int:
   from kvjax.serving.http import make_app, serve
 
   spec = spec_from_args(args)
+  _check_servable(spec)
   kv_memory = parse_bytes(args.kv_memory, "--kv-memory")
   quota = parse_bytes(args.context_quota, "--context-quota")
   if not args.context_ttl > 0:

@@ -3,21 +3,34 @@ batching), so the pages compression frees become admitted requests.
 
     _batch   the served batch: rows as slots, insert / release / a compiled decode of every
              active row with its own remaining tokens, budget and sampling values
-    _engine  `Engine`: admission by the pages a request's plan needs, a bounded queue,
-             cancels, a streaming request's tokens after every step; one thread owns every
-             device call; no HTTP
+    _admission  a request planned once: its prompt encoded, its own plan, its row's budget
+             and the pages its row holds at its peak; what the engine cannot serve, refused
+    _engine  `Engine`: admission by those pages, a bounded queue, cancels, a streaming
+             request's tokens after every step; one thread owns every device call and
+             survives any request's failure; no HTTP
     _contexts  per-tenant compressed contexts (TTL, quota, what each keeps)
     _protocol  the OpenAI wire format and the engine prompt of a request (a chat's question
              protected)
-    http     the FastAPI face, and the operator's log (logger "kvjax.serve")
+    _telemetry  the operator's log (logger "kvjax.serve") and /metrics
+    http     the FastAPI face
 """
 
 from kvjax.serving._engine import (
     Engine,
     EngineConfig,
+    EngineStopped,
     QueueFull,
     Request,
     RequestTooLarge,
+    Unservable,
 )
 
-__all__ = ["Engine", "EngineConfig", "QueueFull", "Request", "RequestTooLarge"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineStopped",
+    "QueueFull",
+    "Request",
+    "RequestTooLarge",
+    "Unservable",
+]

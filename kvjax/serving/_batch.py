@@ -13,7 +13,15 @@ go: the rows, the pool and the step count are fixed when the batch is made.
                  `NEVER` (the row keeps what it holds: the full cache, or a context its own
                  policy compressed once)
     temperature, top_k, top_p   [S] each row's sampling values (`sample_rows`)
-    failed       [S] the model gave the row non-finite logits: it stops, the others go on
+    pages        [S] the most pages the row may hold (its request's reservation): a step
+                 that would take it past them stops it instead (`Stepped.short`)
+    failed       [S] the row failed (non-finite logits, or short of pages): it stops, the
+                 others go on
+
+A decode step never drops an append silently: the pool's out-of-pages status is checked
+after every step, and the rows whose append it dropped fail (`Stepped.short`); the status is
+cleared for the others. Each program that writes the pool (an insert, a round) starts with
+that status clear, so what the engine reads after it is that program's own.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.paged_cache import PagedKVCache, init_cache
+from kvjax.cache.paged_cache import PagedKVCache, Status, init_cache
+from kvjax.cache.pages import pages_for
 from kvjax.cache.rows import check_insertable, insert_row, release_row
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.sampling import sample_rows
@@ -47,6 +56,7 @@ class Batch:
   temperature: Float[Array, " S"]
   top_k: Int[Array, " S"]
   top_p: Float[Array, " S"]
+  pages: Int[Array, " S"]
   failed: Bool[Array, " S"]
   stops: Bool[Array, " S"]  # the row ends at a stop token (off: it runs to its limit)
 
@@ -98,18 +108,29 @@ def empty_batch(model, plan: CachePlan, rows: int, num_pages: int, max_tokens: i
       temperature=put(np.zeros((rows,), np.float32)),
       top_k=put(np.zeros((rows,), np.int32)),
       top_p=put(np.ones((rows,), np.float32)),
+      pages=put(np.zeros((rows,), np.int32)),
       failed=put(np.zeros((rows,), bool)),
       stops=put(np.ones((rows,), bool)),
   )
 
 
 def insert(
-    batch: Batch, request: State, row: int, *, max_tokens: int, budget: int, sampling, stops=True
+    batch: Batch,
+    request: State,
+    row: int,
+    *,
+    max_tokens: int,
+    budget: int,
+    sampling,
+    stops=True,
+    pages: int | None = None,
 ):
   """`batch` with `request` (a prefilled state of one row) in free row `row`, to generate up
   to `max_tokens` tokens with its running `budget` (`NEVER`: keep all) and `sampling` (a
-  `kvjax.Sampling`), ending at a stop token unless not `stops`. Host-side checks, then one
-  compiled program per request cache shape."""
+  `kvjax.Sampling`), ending at a stop token unless not `stops`, holding at most `pages`
+  pages (None: no limit but the pool's). Host-side checks, then one compiled program per
+  request cache shape. When the pool cannot hold the request's pages, nothing is inserted
+  and the cache's status says so (`check_status`): the row stays free."""
   check_insertable(batch.state.cache, request.cache)
   if request.batch_size != 1:
     raise ValueError(f"a request state has one row; this one has {request.batch_size}")
@@ -121,6 +142,7 @@ def insert(
       np.int32(sampling.top_k),
       np.float32(sampling.top_p),
       np.bool_(stops),
+      np.int32(NEVER if pages is None else pages),
   )
   source = _as_source(request.cache, batch.state.cache)
   return _insert(batch, source, request.logits, request.position, *map(jax.device_put, values))
@@ -157,27 +179,40 @@ def _insert(
     top_k,
     top_p,
     stops,
+    pages,
 ):
   s = batch.state
-  cache = insert_row(s.cache, row, source)
+  cache = insert_row(_clear_append_status(s.cache), row, source)
+  fits = (cache.status & _APPEND_FAILED) == 0
   state = s.replace(
       cache=cache,
       logits=s.logits.at[row].set(logits[0]),
       position=s.position.at[row].set(position[0]),
-      done=s.done.at[row].set(False),
+      done=s.done.at[row].set(~fits),
       peak_pages=jnp.maximum(s.peak_pages, cache.pages_in_use().sum()),
   )
   return batch.replace(
       state=state,
-      active=batch.active.at[row].set(True),
+      active=batch.active.at[row].set(fits),
       remaining=batch.remaining.at[row].set(max_tokens),
       budget=batch.budget.at[row].set(budget),
       temperature=batch.temperature.at[row].set(temperature),
       top_k=batch.top_k.at[row].set(top_k),
       top_p=batch.top_p.at[row].set(top_p),
+      pages=batch.pages.at[row].set(pages),
       failed=batch.failed.at[row].set(False),
       stops=batch.stops.at[row].set(stops),
   )
+
+
+# An append the pool could not take (no free page, or past a sequence's table): dropped.
+_APPEND_FAILED = int(Status.OUT_OF_PAGES | Status.OVER_CAPACITY | Status.OVER_CHUNK)
+
+
+def _clear_append_status(cache: PagedKVCache) -> PagedKVCache:
+  """The cache with its append-failure bits cleared (they are read, and acted on, after every
+  program that writes the pool; the warnings stay)."""
+  return cache.replace(pages=cache.pages.replace(status=cache.pages.status & ~_APPEND_FAILED))
 
 
 def release(batch: Batch, row: int) -> Batch:
@@ -195,6 +230,7 @@ def _release(batch: Batch, row) -> Batch:
       active=batch.active.at[row].set(False),
       remaining=batch.remaining.at[row].set(0),
       budget=batch.budget.at[row].set(NEVER),
+      pages=batch.pages.at[row].set(0),
       failed=batch.failed.at[row].set(False),
   )
 
@@ -202,12 +238,16 @@ def _release(batch: Batch, row) -> Batch:
 @struct.dataclass
 class Stepped:
   """What `run` hands back beside the batch: per row the tokens it generated in this call
-  (the first `count` of `tokens`), whether it stopped at a stop token, whether it failed."""
+  (the first `count` of `tokens`), whether it stopped at a stop token, whether it failed:
+  its logits were not finite (`failed`), or it ran short of pages (`short`: its next append
+  would have passed its pages, and it stopped before it; or the pool dropped its last
+  token's append, and it stopped after it)."""
 
   tokens: Int[Array, "S K"]
   count: Int[Array, " S"]
   stopped: Bool[Array, " S"]
   failed: Bool[Array, " S"]
+  short: Bool[Array, " S"]
 
 
 MIN_WIDTH = 4  # the fewest rows a round computes (narrower ones save little, cost programs)
@@ -241,10 +281,20 @@ def widths(rows: int) -> list[int]:
 
 def run_returns(params, batch, stop_tokens, step_limit):
   """`run`'s output structure (for `kvjax.runtime.compilation.compiled`)."""
-  return batch, Stepped(tokens=0, count=0, stopped=0, failed=0)
+  return batch, Stepped(tokens=0, count=0, stopped=0, failed=0, short=0)
 
 
-_ROW_FIELDS = ("active", "remaining", "budget", "temperature", "top_k", "top_p", "failed", "stops")
+_ROW_FIELDS = (
+    "active",
+    "remaining",
+    "budget",
+    "temperature",
+    "top_k",
+    "top_p",
+    "pages",
+    "failed",
+    "stops",
+)
 
 
 def _first_rows(batch: Batch, width: int, depth: int) -> Batch:
@@ -318,6 +368,8 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
   model = nnx.merge(graphdef, params)
   eviction = batch.state.plan.eviction
   rows = jnp.arange(batch.rows)
+  page_size = batch.state.cache.config.page_size
+  batch = batch.replace(state=batch.state.replace(cache=_clear_append_status(batch.state.cache)))
 
   def live(b: Batch):
     return b.active & ~b.state.done & (b.remaining > 0) & ~b.failed
@@ -333,12 +385,22 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
     token = sample_rows(s.logits, sub, b.temperature, b.top_k, b.top_p)
     going = live(b)
     stop = going & b.stops & jnp.isin(token, stop_tokens)
-    emit = going & ~stop
+    # A row whose append would take it past its pages stops before it (its reservation was
+    # short): the pool then always holds the other rows' appends, each within its own.
+    length = s.cache.length  # [L, S, H]
+    taking = (pages_for(length, page_size) + (length % page_size == 0)).sum((0, 2))
+    short = going & ~stop & (taking > b.pages)
+    emit = going & ~stop & ~short
     tokens = out.tokens.at[rows, out.count].set(jnp.where(emit, token, 0), mode="drop")
     logits, cache, held = feed(model, s, token, emit, eviction, evict_key, b.budget)
+    # An append the pool did not take was dropped for every row of a layer: the rows that
+    # appended fail (their tokens so far stand); the status is cleared for the others.
+    dropped = emit & ((cache.status & _APPEND_FAILED) != 0)
+    short = short | dropped
+    cache = _clear_append_status(cache)
     # A row whose logits are not finite fails alone: its token stands, nothing is drawn
     # from them, and the other rows go on.
-    bad = emit & ~jnp.isfinite(logits).all(-1)
+    bad = emit & ~dropped & ~jnp.isfinite(logits).all(-1)
     state = s.replace(
         cache=cache,
         logits=jnp.where((emit & ~bad)[:, None], logits, s.logits),
@@ -347,12 +409,13 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
         key=key,
         peak_pages=jnp.maximum(s.peak_pages, held),
     )
-    b = b.replace(state=state, remaining=b.remaining - emit, failed=b.failed | bad)
+    b = b.replace(state=state, remaining=b.remaining - emit, failed=b.failed | bad | short)
     out = out.replace(
         tokens=tokens,
         count=out.count + emit,
         stopped=out.stopped | stop,
         failed=out.failed | bad,
+        short=out.short | short,
     )
     return b, out, step + 1
 
@@ -361,6 +424,7 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
       count=jnp.zeros((batch.rows,), jnp.int32),
       stopped=jnp.zeros((batch.rows,), bool),
       failed=jnp.zeros((batch.rows,), bool),
+      short=jnp.zeros((batch.rows,), bool),
   )
   batch, out, _ = jax.lax.while_loop(cond, body, (batch, out, jnp.int32(0)))
   return batch, out

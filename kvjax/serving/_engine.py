@@ -2,13 +2,13 @@
 HTTP: a request is token ids (or `Segment`s) with a `CompressionSpec`, a token limit and
 sampling values; what it produces goes to the request's callback.
 
-Admission is by memory. Each request reserves the pages its plan needs at its peak (its
-prompt as its policy keeps it, plus its new tokens under its running budget, or its window
-on a sliding layer); it is admitted when a row is free and the pool has that many pages not
-reserved, so a running request never runs out of pages. What cannot be admitted yet waits
-in a bounded queue (`QueueFull` past it); a request whose plan could never fit the pool is
-refused (`RequestTooLarge`, naming the limit). Reservations are made on the prompt before it
-is read, then brought down to what the compressed context actually holds.
+Admission is by memory. `check` plans a request once (`_admission`: its prompt encoded, its
+plan, the pages its row holds at its peak; `RequestTooLarge` or `Unservable` where it could
+never run here). It is admitted when a row is free and the pool has that many pages not
+reserved; once its prompt is read the reservation is brought to what it actually kept. The
+batch holds every row to its reservation, so a running request never runs out of pages, and
+one that would (a short reservation: an engine bug) fails alone. What cannot be admitted
+yet waits in a bounded queue (`QueueFull` past it).
 
 One thread owns every device call: it reads (prefills) admitted requests, inserts them into
 free rows, runs a round of `steps` decode steps of every active row (one step while a
@@ -16,8 +16,12 @@ streaming request decodes, so its tokens go out as they are decoded), hands each
 its tokens and releases finished or cancelled rows. Callbacks run on that thread: keep them
 short (the HTTP layer hands them over to its event loop).
 
-Protected tokens (a chat's question, `Segment(protected=True)`) are never evicted: a running
-policy's row keeps them beside its budget (`row_budget`), and admission counts them.
+A request's failure is its own: an error while it is read or inserted ends it with an error
+event and frees its row and pages; a round that raises ends the requests it decoded; a device
+call that loses the batch's buffers ends every request in it and starts a new, empty batch.
+The thread goes on. Should the thread itself stop (an error in the engine's own code), every
+waiting request gets an error event, later ones `EngineStopped`, and `unavailable()` says
+why.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kvjax.cache.paged_cache import check_status, to_host
+from kvjax.cache.paged_cache import CacheError, check_status, to_host
 from kvjax.cache.pages import pages_for
-from kvjax.cache.sizing import min_budget, window_peak
+from kvjax.cache.sizing import ServedRows
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.compilation import compile_ahead, compiled
 from kvjax.runtime.generation import held_stats
@@ -46,6 +50,13 @@ from kvjax.runtime.session import extend, prefill
 from kvjax.runtime.tokenizer import as_tokenizer
 from kvjax.seam import ModelShape
 from kvjax.serving import _batch
+from kvjax.serving._admission import (  # noqa: F401 - its errors re-exported from here
+    Admission,
+    Planned,
+    RequestTooLarge,
+    Unservable,
+    check_servable,
+)
 from kvjax.spec import CompressionSpec
 from pallas_kernels import page_format
 
@@ -56,12 +67,9 @@ class QueueFull(RuntimeError):
   """The waiting queue is full: try again later (HTTP 429)."""
 
 
-class RequestTooLarge(ValueError):
-  """The request's plan could never fit the pool, or passes the rows' length (HTTP 400)."""
-
-  def __init__(self, message: str, field: str):
-    super().__init__(message)
-    self.field = field
+class EngineStopped(RuntimeError):
+  """The engine takes no request: it was stopped, or its thread ended on an error (HTTP
+  503)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +127,19 @@ class Request:
   # Set by the engine.
   prompt_tokens: int = 0
   protected_tokens: int = 0  # of the prompt: never evicted
-  reserved: int = 0
+  planned: Planned | None = None  # by `check`
+  reserved: int = 0  # pages reserved for it now
   depth: int = 0  # the most pages one of its sequences holds at its peak
   arrived: float = dataclasses.field(default_factory=time.perf_counter)
   # Once its prompt is read: the K/V entries kept as a share of the tokens read (mean over
   # layers and kv heads), and the bytes they take.
   kept_share: float | None = None
   kv_bytes: int | None = None
+
+
+def _one_line(err: BaseException) -> str:
+  """An error as a request's error event and the log say it: its type and first line."""
+  return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
 class Engine:
@@ -139,185 +153,127 @@ class Engine:
   """
 
   def __init__(self, model, tokenizer, spec: CompressionSpec, config: EngineConfig):
+    check_servable(spec)
     # Text in, text out, stop at EOS: kvjax's tokenizer contract (a tokenizers.Tokenizer or
     # a transformers tokenizer is adapted), checked before the engine starts.
     tokenizer = as_tokenizer(tokenizer, needs=("text", "decode", "stop"))
     self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
     self.shape = ModelShape.of(model)
-    max_tokens = config.max_tokens or self.shape.max_context
-    plan = spec.plan(self.shape, batch=1, longest=1, reserve=0)
+    # Rows evict with the server's running policy (each with its own budget); a server whose
+    # policy compresses once, or keeps all, decodes without eviction: its rows are laid out
+    # as the full cache (the spec's page size, K/V storage and kernels).
+    self.running = spec.evicts and not spec.once
+    plan = (spec if self.running else spec.full_cache()).plan(
+        self.shape, batch=1, longest=1, reserve=0
+    )
     page_size = plan.config.page_size
-    self.max_tokens = pages_for(min(max_tokens, self.shape.max_context), page_size) * page_size
+    max_tokens = min(config.max_tokens or self.shape.max_context, self.shape.max_context)
+    self.max_tokens = pages_for(max_tokens, page_size) * page_size
     dtype = spec.kv_dtype or self.shape.dtype
     self.page_bytes = 2 * page_size * page_format.token_bytes(self.shape.head_dim, dtype)
-    num_pages = config.kv_memory // self.page_bytes  # usable pages (the null page is extra)
-    if num_pages < 1:
+    self.capacity = config.kv_memory // self.page_bytes  # usable pages (the null page is extra)
+    if self.capacity < 1:
       raise ValueError(
           f"kv_memory={config.kv_memory} bytes holds no page of {self.page_bytes} bytes"
       )
-    # Rows evict with the server's running policy (each with its own budget); a server whose
-    # policy compresses once, or keeps all, decodes without eviction.
-    self.running = spec.evicts and not spec.once
-    if not self.running:
-      plan = dataclasses.replace(
-          plan, eviction=None, config=dataclasses.replace(plan.config, budget=None)
-      )
-    self.batch = _batch.empty_batch(model, plan, config.rows, num_pages + 1, self.max_tokens)
+    self._batch_plan = plan  # a new empty batch is made from it (`_lose_batch`)
+    self.batch = self._empty_batch()
     cfg = self.batch.state.cache.config
     self.page_size, self.max_pages = cfg.page_size, self.batch.state.cache.pages.table.shape[-1]
-    self.windows = np.asarray(cfg.windows or (0,) * self.shape.n_layers)
-    self.margin = cfg.margin if cfg.evicts else 0
-    self.capacity = num_pages
+    self.sizing = ServedRows(
+        windows=tuple(cfg.windows or (0,) * self.shape.n_layers),
+        kv_heads=self.shape.n_kv_heads,
+        page_size=cfg.page_size,
+        margin=cfg.margin if cfg.evicts else 0,
+    )
+    self.admission = Admission(
+        model,
+        self.shape,
+        tokenizer,
+        spec,
+        running=self.running,
+        sink=cfg.sink,
+        recent=cfg.recent,
+        group_size=cfg.group_size,
+        page_size=cfg.page_size,
+        sizing=self.sizing,
+        max_tokens=self.max_tokens,
+        capacity=self.capacity,
+        page_bytes=self.page_bytes,
+    )
     stop = np.asarray(list(tokenizer.eos_ids or ()) or [-1], np.int32)
     # Split once: a decode round hands the compiled step the same arrays every time.
     self._graphdef, self._params = nnx.split(model)
     self._stop = jax.device_put(stop)
-    self._lock = threading.Condition()
-    self._queue: collections.deque[Request] = collections.deque()
-    self._cancelled: set[int] = set()
-    self._rows: dict[int, Request] = {}  # row -> request
-    self._reserved = 0
-    self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
-    self._running = False
-    self._thread: threading.Thread | None = None
-    self.counters = collections.Counter()
-    self._rate = 0.0  # tokens per second over the last decode round
     # A round's step count is an argument of its one compiled program: a round of one step
     # (a streaming request decodes) costs no compile of its own.
     self._round_steps = {
         False: jax.device_put(np.int32(config.steps)),
         True: jax.device_put(np.int32(1)),
     }
+    self._check_round()
+    self._lock = threading.Condition()
+    self._queue: collections.deque[Request] = collections.deque()
+    self._cancelled: set[int] = set()
+    self._rows: dict[int, Request] = {}  # row -> request
+    self._admitting: Request | None = None  # taken from the queue, not yet in a row
+    self._reserved = 0
+    self._calls: collections.deque = collections.deque()  # (fn, Future) for the thread
+    self._running = False
+    self._failure: str | None = None  # why the thread stopped, when an error stopped it
+    self._thread: threading.Thread | None = None
+    self.counters = collections.Counter()
+    self._rate = 0.0  # tokens per second over the last decode round
 
-  # ---- sizes ---------------------------------------------------------------------------
-
-  def row_budget(self, spec: CompressionSpec, prompt_tokens: int, protected: int = 0) -> int:
-    """The running budget a request's row keeps on the full layers (`NEVER`: all): its
-    spec's, or what eviction can always reach beside `protected` tokens where that is more
-    (eviction keeps them, the sink and the recent window whatever the budget)."""
-    if spec.once or not spec.evicts:
-      return NEVER
-    # Rows evict with the batch's sink, recent window and groups (the server's spec's).
-    cfg = self.batch.state.cache.config
-    floor = self._floor(protected, cfg.sink, cfg.recent, cfg.group_size)
-    return max(spec.budget_tokens(prompt_tokens), floor)
-
-  def _floor(self, protected: int, sink: int, recent: int, group: int) -> int:
-    """Tokens a sequence holds however it evicts: its sink, its recent window and its
-    `protected` tokens, in whole groups (one more for a span that starts mid-group)."""
-    floor = min_budget(self.page_size, sink, recent, group)
-    if protected and group > 1:
-      return floor + (pages_for(protected, group) + 1) * group
-    return floor + protected
-
-  def layer_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
-    """Pages a row needs at its peak, per layer [L]: sequences holding `kept` tokens ([L, H], or one count
-    for all) that grow by up to `max_tokens`, a full layer's evicted back once it passes
-    `budget` and the margin (a sliding layer's, once past its window)."""
-    return self._peak_pages(kept, max_tokens, budget).sum(-1)  # [L]
-
-  def _peak_pages(self, kept, max_tokens: int, budget: int) -> np.ndarray:
-    """Pages each sequence [L, H] holds at its peak (`layer_pages`)."""
-    kept = np.broadcast_to(np.asarray(kept, np.int64), (self.shape.n_layers, self.shape.n_kv_heads))
-    ps = self.page_size
-    grown = kept + max_tokens
-    cap = np.where(
-        self.windows > 0,
-        window_peak(self.windows, ps, 1),
-        np.int64(NEVER) if budget >= NEVER else budget + self.margin + 1,
-    )[:, None]
-    return pages_for(np.minimum(grown, np.maximum(kept, cap)), ps)
-
-  def pages_needed(self, kept, max_tokens: int, budget: int) -> int:
-    """`layer_pages` over all layers."""
-    return int(self.layer_pages(kept, max_tokens, budget).sum())
-
-  def _bound(self, request: Request) -> int:
-    """Pages a request needs at most, before its prompt is read: its prompt kept whole, or
-    its budget where it compresses the context once (each sequence at most a page over)."""
-    spec, n, new = request.spec, request.prompt_tokens, request.max_tokens
-    if request.context is not None:  # the context as kept, and the prompt after it
-      kept = to_host(request.context.cache.length)[:, 0]
-      return self.pages_needed(kept + n, new, NEVER)
-    whole = self.pages_needed(n, new, self.row_budget(spec, n, request.protected_tokens))
-    if not spec.once or spec.auto:
-      return whole
-    # Compressed once: the full layers keep `budget` tokens per sequence on average (one
-    # ranking may give a sequence more and another less: counted over them all, plus a
-    # partly filled page each), or what they protect where that is more; the sliding ones
-    # their window.
-    budget = spec.budget_tokens(n)
-    protected = self._floor(
-        request.protected_tokens, spec.sink, spec.recent_tokens(budget), spec.group
+  def _empty_batch(self) -> _batch.Batch:
+    return _batch.empty_batch(
+        self.model, self._batch_plan, self.config.rows, self.capacity + 1, self.max_tokens
     )
-    ps = self.batch.state.cache.config.page_size
-    full = int((self.windows == 0).sum()) * self.shape.n_kv_heads
-    sliding = int(self.layer_pages(n, new, NEVER)[self.windows > 0].sum())
-    kept = pages_for(full * (max(budget, protected) + new), ps) + full
-    return min(whole, sliding + kept)
+
+  def _check_round(self) -> None:
+    """Traces a decode round (nothing is compiled), so that a spec whose rows cannot decode
+    (a policy that cannot score a served batch, say) is refused here, not by every
+    request's round; the compiled rounds reuse the trace."""
+    statics = self._statics(_batch.width_for([0], self.config.rows), self._shallow)
+    args = self._abstract_args()
+    try:
+      jax.eval_shape(lambda *a: _batch.run(*a, **statics), *args)
+    except Exception as err:  # noqa: BLE001 - refused in one line, naming what failed
+      raise ValueError(f"this spec's rows cannot decode: {_one_line(err)}") from None
+
+  @property
+  def _shallow(self) -> int:
+    """The table entries the shallowest round reads (deeper ones compile when asked)."""
+    return _batch.depth_for(0, self.page_size, self.max_pages)
+
+  def _abstract_args(self):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
+        ),
+        (self._params, self.batch, self._stop, self._round_steps[False]),
+    )
 
   # ---- requests ------------------------------------------------------------------------
 
-  def check(self, request: Request) -> None:
-    """Raises `RequestTooLarge` (naming the field and the limit) or ValueError unless the
-    request can ever run here; sets its `prompt_tokens`."""
-    from kvjax.runtime.prompts import encode_prompts
+  def row_budget(self, spec: CompressionSpec, prompt_tokens: int, protected: int = 0) -> int:
+    """The running budget a request's row keeps on the full layers (`NEVER`: all):
+    `Admission.row_budget`."""
+    return self.admission.row_budget(spec, prompt_tokens, protected)
 
-    spec = request.spec
-    if spec.once or not spec.evicts:
-      pass
-    elif not self.running or spec.policy != self.spec.policy:
-      raise ValueError(
-          f"policy {spec.policy.name!r} evicts while decoding; this server's rows decode with "
-          f"{self.spec.policy.name if self.running else 'no running policy'}: ask for "
-          "that one (any budget), the full cache, or a policy that compresses the context once"
-      )
-    if (spec.kv_dtype or self.shape.dtype) != (self.spec.kv_dtype or self.shape.dtype):
-      raise RequestTooLarge(
-          f"kv_dtype {spec.kv_dtype!r} differs from this server's pages "
-          f"({self.spec.kv_dtype or self.shape.dtype})",
-          "kv_dtype",
-      )
-    if spec.page_size != self.spec.page_size:
-      raise RequestTooLarge(
-          f"page_size {spec.page_size} differs from this server's {self.spec.page_size}",
-          "page_size",
-      )
-    encoded = encode_prompts(
-        self.tokenizer,
-        [request.prompt],
-        chat=False,
-        vocab_size=self.shape.vocab_size,
-        start=request.context is None,
-    )
-    request.prompt_tokens = n = int(encoded.lengths[0])
-    request.protected_tokens = int(sum(encoded.protected[0]))
-    if request.context is not None:
-      n += int(to_host(request.context.position)[0])  # the row holds the context too
-    if n + request.max_tokens > self.max_tokens:
-      raise RequestTooLarge(
-          f"a prompt of {n} tokens and max_tokens={request.max_tokens} pass the "
-          f"{self.max_tokens} tokens a row holds",
-          "max_tokens" if n < self.max_tokens else "prompt",
-      )
-    if request.context is None:
-      spec.plan(self.shape, batch=1, longest=n, reserve=0)  # the spec's own checks
-    need = self._bound(request)
-    if need > self.capacity:
-      # The prompt alone, or only with its new tokens, passes the pool.
-      alone = self._bound(dataclasses.replace(request, max_tokens=0))
-      raise RequestTooLarge(
-          f"the request needs {need} pages of {self.page_bytes} bytes at its peak; the pool "
-          f"holds {self.capacity} (kv_memory {self.capacity * self.page_bytes} bytes)",
-          "prompt" if alone > self.capacity else "max_tokens",
-      )
+  def check(self, request: Request) -> None:
+    """Raises `Unservable` or `RequestTooLarge` (naming the field and the limit), or a
+    ValueError, unless the request can ever run here; plans it (`request.planned`, its
+    `prompt_tokens` and `protected_tokens`: `Admission.plan`)."""
+    request.planned = self.admission.plan(request)
 
   def submit(self, request: Request) -> Request:
-    """Queues `request` (checked first: `check`); `QueueFull` when the queue is full."""
+    """Queues `request` (checked first: `check`); `QueueFull` when the queue is full,
+    `EngineStopped` when the engine takes no request."""
     self.check(request)
     with self._lock:
       if not self._running:
-        raise RuntimeError("the engine is not running")
+        raise EngineStopped(self._why_stopped())
       if len(self._queue) >= self.config.queue:
         self.counters["rejected"] += 1
         raise QueueFull(f"{len(self._queue)} requests are waiting (the queue's limit)")
@@ -332,7 +288,7 @@ class Engine:
     future = concurrent.futures.Future()
     with self._lock:
       if not self._running:
-        raise RuntimeError("the engine is not running")
+        raise EngineStopped(self._why_stopped())
       self._calls.append((fn, future))
       self._lock.notify()
     return future
@@ -343,6 +299,19 @@ class Engine:
     with self._lock:
       self._cancelled.add(request_id)
       self._lock.notify()
+
+  def unavailable(self) -> str | None:
+    """None while the engine takes requests; else why not (not started, stopping, or its
+    thread stopped by an error)."""
+    with self._lock:
+      if self._running and self._thread is not None and self._thread.is_alive():
+        return None
+      return self._why_stopped()
+
+  def _why_stopped(self) -> str:
+    if self._failure is not None:
+      return f"the engine stopped: {self._failure}"
+    return "the engine is not running"
 
   def stats(self) -> dict:
     with self._lock:
@@ -365,15 +334,11 @@ class Engine:
   def start(self) -> Engine:
     # The decode rounds of every width compile (or load from kvjax's executable store) in
     # the background from now: the first requests find them ready, or wait for them only.
-    args = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
-        ),
-        (self._params, self.batch, self._stop, self._round_steps[False]),
-    )
-    shallow = _batch.depth_for(0, self.page_size, self.max_pages)  # deeper ones when asked
+    args = self._abstract_args()
     for width in _batch.widths(self.config.rows) if self.config.compile_ahead else ():
-      compile_ahead(_batch.run, self._statics(width, shallow), *args, returns=_batch.run_returns)
+      compile_ahead(
+          _batch.run, self._statics(width, self._shallow), *args, returns=_batch.run_returns
+      )
     with self._lock:
       self._running = True
     self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
@@ -394,6 +359,12 @@ class Engine:
       self._thread.join(timeout)
 
   def _loop(self) -> None:
+    try:
+      self._serve()
+    except BaseException as err:  # noqa: BLE001 - the engine's own error: it serves no more
+      self._stopped_by(err)
+
+  def _serve(self) -> None:
     while True:
       with self._lock:
         while (
@@ -415,10 +386,30 @@ class Engine:
             future.set_result(fn())
           except Exception as err:  # noqa: BLE001 - the caller's error, in its future
             future.set_exception(err)
-      self._release([row for row, r in self._rows.items() if r.id in cancelled], "cancelled")
+      self._end([row for row, r in self._rows.items() if r.id in cancelled], "cancelled")
       self._admit()
       if self._rows:
-        self._step()
+        self._round()
+
+  def _stopped_by(self, err: BaseException) -> None:
+    """The thread ends on `err`: every request it holds or that waits gets an error event,
+    every pending call the error, and the engine takes no more (`unavailable` says why)."""
+    why = _one_line(err)
+    log.error("the engine stopped: %s", why)
+    with self._lock:
+      self._failure, self._running = why, False
+      waiting = [*self._queue, *self._rows.values()]
+      if self._admitting is not None:
+        waiting.append(self._admitting)
+      self._queue.clear()
+      self._rows.clear()
+      self._reserved = 0
+      calls, self._calls = self._calls, collections.deque()
+    for request in waiting:
+      _emit(request, ("error", f"the engine stopped: {why}"))
+    for _, future in calls:
+      if future.set_running_or_notify_cancel():
+        future.set_exception(EngineStopped(f"the engine stopped: {why}"))
 
   def _admit(self) -> None:
     """Reads and inserts queued requests, in order, while a row and their pages are free."""
@@ -428,58 +419,61 @@ class Engine:
         if not self._queue or not free:
           return
         request = self._queue[0]
-        need = self._bound(request)
+        need = request.planned.pages
         if self._reserved + need > self.capacity:
           return  # the head of the queue waits for pages (no overtaking: no starvation)
         self._queue.popleft()
         self._reserved += need
         request.reserved = need
+        self._admitting = request
       self._start(request, free[0])
+      self._admitting = None
+
+  def _read(self, request: Request):
+    """The request's prompt read into a state of its own (prefilled, or appended to its
+    context), as `check` encoded it."""
+    encoded = request.planned.encoded
+    if request.context is not None:
+      return extend(self.model, request.context, encoded, tokenizer=self.tokenizer)
+    return prefill(
+        self.model, encoded, request.spec, tokenizer=self.tokenizer, reserve=0, seed=request.seed
+    )
 
   def _start(self, request: Request, row: int) -> None:
+    """Reads `request` and inserts it into free `row`; any failure ends it alone, its row
+    and its pages free again."""
+    planned = request.planned
+    inserting = False
     try:
-      if request.context is not None:
-        state = extend(self.model, request.context, [request.prompt], tokenizer=self.tokenizer)
-      else:
-        state = prefill(
-            self.model,
-            [request.prompt],
-            request.spec,
-            tokenizer=self.tokenizer,
-            reserve=0,
-            seed=request.seed,
-        )
-      budget = (
-          NEVER
-          if request.context is not None
-          else self.row_budget(request.spec, request.prompt_tokens, request.protected_tokens)
-      )
+      state = self._read(request)
       held = held_stats(state, self.shape)
       request.kept_share, request.kv_bytes = held["kept_fraction"][0], held["kv_bytes_held"]
       kept = to_host(state.cache.length)[:, 0]  # [L, H]
-      peak = self._peak_pages(kept, request.max_tokens, budget)
-      need = int(peak.sum())
+      peak = self.sizing.peak_pages(kept, request.max_tokens, planned.row_budget)
+      self._settle(request, int(peak.sum()))
+      request.depth = int(peak.max())
+      inserting = True
       self.batch = _batch.insert(
           self.batch,
           state,
           row,
           max_tokens=request.max_tokens,
-          budget=budget,
+          budget=NEVER if planned.row_budget is None else planned.row_budget,
           sampling=request.sampling,
           stops=request.stops,
+          pages=request.reserved,
       )
-      check_status(self.batch.state.cache)
+      check_status(self.batch.state.cache)  # the insert's own (it starts with a clear one)
     except Exception as err:  # noqa: BLE001 - one request fails alone
       with self._lock:
         self._reserved -= request.reserved
-      self.counters["failed"] += 1
+        self.counters["failed"] += 1
       log.debug("request %d failed on admission: %s", request.id, err)
-      _emit(request, ("error", f"{type(err).__name__}: {err}".splitlines()[0]))
+      _emit(request, ("error", _one_line(err)))
+      if inserting:
+        self._free_rows([row])
       return
     with self._lock:
-      self._reserved += need - request.reserved  # what the compressed context holds
-      request.reserved = need
-      request.depth = int(peak.max())
       self._rows[row] = request
     log.debug(
         "request %d in row %d: %d prompt tokens (%d protected), %.3f kept, %d pages reserved",
@@ -488,49 +482,106 @@ class Engine:
         request.prompt_tokens,
         request.protected_tokens,
         request.kept_share,
-        need,
+        request.reserved,
     )
 
-  def _step(self) -> None:
+  def _settle(self, request: Request, need: int) -> None:
+    """The request's reservation made `need` pages, what its row needs at its peak now that
+    its prompt is read: down from the bound admission reserved, or up where the pool has
+    the pages unreserved; a `CacheError` otherwise (the bound was short: it fails alone
+    rather than take another request's pages)."""
+    with self._lock:
+      more = need - request.reserved
+      if more > 0 and self._reserved + more > self.capacity:
+        raise CacheError(
+            f"out of pages: the request needs {need} pages once read, more than the "
+            f"{request.reserved} reserved for it, and the pool has "
+            f"{self.capacity - self._reserved} unreserved"
+        )
+      self._reserved += more
+      request.reserved = need
+
+  def _round(self) -> None:
+    """One decode round of every active row; a round that raises ends its requests."""
     start = time.perf_counter()
-    width = _batch.width_for(self._rows, self.config.rows)
-    deepest = max(request.depth for request in self._rows.values())
-    depth = _batch.depth_for(deepest, self.page_size, self.max_pages)
-    streaming = any(request.stream for request in self._rows.values())
-    args = (self._params, self.batch, self._stop, self._round_steps[streaming])
-    step = compiled(_batch.run, self._statics(width, depth), *args, returns=_batch.run_returns)
-    self.batch, out = step(*args)
-    # One transfer of what the host needs from the round.
-    count, tokens, stopped, failed, remaining = jax.device_get(
-        (out.count, out.tokens, out.stopped, out.failed, self.batch.remaining)
-    )
+    rows = dict(self._rows)
+    try:
+      width = _batch.width_for(rows, self.config.rows)
+      deepest = max(request.depth for request in rows.values())
+      depth = _batch.depth_for(deepest, self.page_size, self.max_pages)
+      streaming = any(request.stream for request in rows.values())
+      args = (self._params, self.batch, self._stop, self._round_steps[streaming])
+      step = compiled(_batch.run, self._statics(width, depth), *args, returns=_batch.run_returns)
+      self.batch, out = step(*args)
+      # One transfer of what the host needs from the round.
+      count, tokens, stopped, failed, short, remaining = jax.device_get(
+          (out.count, out.tokens, out.stopped, out.failed, out.short, self.batch.remaining)
+      )
+    except Exception as err:  # noqa: BLE001 - the round's requests fail, the engine goes on
+      message = _one_line(err)
+      ids = ", ".join(str(request.id) for request in rows.values())
+      log.error("a decode round failed, ending request(s) %s: %s", ids, message)
+      self._end(list(rows), "failed", message)
+      return
     self._rate = round(float(count.sum()) / max(time.perf_counter() - start, 1e-9), 2)
-    done = []
-    for row, request in list(self._rows.items()):
+    ended = collections.defaultdict(list)  # (why, error message) -> rows
+    for row, request in rows.items():
       if request.id in self._cancelled:
         continue  # released next round, silently
       if count[row]:
         _emit(request, ("tokens", tokens[row, : count[row]].tolist()))
         self.counters["generated_tokens"] += int(count[row])
-      if failed[row]:
-        _emit(request, ("error", "NumericsError: the model gave non-finite logits"))
-        done.append((row, "failed"))
+      if short[row]:
+        message = (
+            f"CacheError: out of pages: the request's row needed more than the "
+            f"{request.reserved} pages reserved for it"
+        )
+        log.error("request %d: %s", request.id, message)
+        ended["failed", message].append(row)
+      elif failed[row]:
+        ended["failed", "NumericsError: the model gave non-finite logits"].append(row)
       elif stopped[row] or remaining[row] == 0:
         _emit(request, ("done", "stop" if stopped[row] else "length"))
-        done.append((row, "finished"))
-    for row, why in done:
-      self._release([row], why)
+        ended["finished", None].append(row)
+    for (why, message), done in ended.items():
+      self._end(done, why, message)
 
-  def _release(self, rows: list[int], why: str) -> None:
+  def _end(self, rows: list[int], why: str, message: str | None = None) -> None:
+    """Ends the requests of `rows` (`why`: finished, cancelled or failed; `message`: the
+    error event they get, unless cancelled) and frees their rows and pages."""
     if not rows:
       return
-    for row in rows:
-      self.batch = _batch.release(self.batch, row)
     with self._lock:
-      for row in rows:
-        request = self._rows.pop(row)
+      ended = [self._rows.pop(row) for row in rows]
+      for request in ended:
         self._reserved -= request.reserved
-        self.counters[why] += 1
+      self.counters[why] += len(ended)
+    if message is not None:
+      for request in ended:
+        if request.id not in self._cancelled:
+          _emit(request, ("error", message))
+    self._free_rows(rows)
+
+  def _free_rows(self, rows: list[int]) -> None:
+    """Releases `rows` of the batch (their pages back in the pool)."""
+    try:
+      for row in rows:
+        self.batch = _batch.release(self.batch, row)
+    except Exception as err:  # noqa: BLE001 - the batch is lost: `_lose_batch`
+      self._lose_batch(err)
+
+  def _lose_batch(self, err: Exception) -> None:
+    """A device call on the batch failed after taking its buffers (donated): every request
+    in it ends with an error, and a new empty batch takes its place."""
+    message = f"the batch was lost: {_one_line(err)}"
+    log.error(message)
+    with self._lock:
+      lost, self._rows = list(self._rows.values()), {}
+      self._reserved -= sum(request.reserved for request in lost)
+      self.counters["failed"] += len(lost)
+    for request in lost:
+      _emit(request, ("error", message))
+    self.batch = self._empty_batch()
 
 
 def _emit(request: Request, event: tuple) -> None:

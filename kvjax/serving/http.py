@@ -9,9 +9,11 @@ nothing of HTTP.
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream"),
 POST and DELETE /v1/contexts, GET /v1/models, GET /health, GET /metrics (Prometheus text).
 Errors are OpenAI error objects naming the field; 401 for a missing or wrong key (when keys
-are given), 404 for an unknown model, 429 with Retry-After when the queue is full. A client
-that goes away mid-request has its request cancelled: its row is freed in the engine's next
-round. Every /v1 request ends with one line in the operator's log (`log_request`).
+are given), 404 for an unknown model, 429 with Retry-After when the queue is full, 500 for a
+request that failed (an error event in a stream), 503 once the engine takes no request
+(/health too, saying why). A client that goes away mid-request has its request cancelled:
+its row is freed in the engine's next round. Every /v1 request ends with one line in the
+operator's log, and /metrics counts it (`_telemetry`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvjax.runtime.session import prefill
 from kvjax.serving import _protocol as wire
 from kvjax.serving._contexts import ContextStore, QuotaExceeded
-from kvjax.serving._engine import Engine, QueueFull, RequestTooLarge
+from kvjax.serving._engine import (
+    Engine,
+    EngineStopped,
+    QueueFull,
+    RequestTooLarge,
+    Unservable,
+)
 from kvjax.serving._engine import Request as EngineRequest
+from kvjax.serving._telemetry import Telemetry, endpoint_label
 
 log = logging.getLogger("kvjax.serve")
 
@@ -70,55 +79,10 @@ class _Auth:
           response = _error(
               401, "missing or unknown API key", "invalid_request_error", code="invalid_api_key"
           )
-          self.service.finish(scope, _endpoint_label(scope["path"]), 401)
+          self.service.finish(scope, endpoint_label(scope["path"]), 401)
           return await response(scope, receive, send)
         state["tenant"] = tenant_of(key)
     await self.app(scope, receive, send)
-
-
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/contexts", "/v1/models")
-
-
-def _endpoint_label(path: str) -> str:
-  """A request's endpoint as /metrics counts it: a route, never a context's id."""
-  if path.startswith("/v1/contexts/"):
-    return "/v1/contexts"
-  return path if path in _ENDPOINTS else "other"
-
-
-def log_request(
-    tenant, method, endpoint, status, started, job=None, generated=None, prompt_tokens=None
-):
-  """The request's line in the operator's log (logger "kvjax.serve", INFO) once it ended:
-  its tenant (a digest of its key, never the key), endpoint, prompt tokens, the share of
-  them its K/V kept, tokens generated, K/V bytes held once its prompt was read, seconds and
-  HTTP status ("-": not known, e.g. a request refused before it was read). A failure (5xx)
-  is an ERROR, the rest INFO."""
-  level = logging.ERROR if isinstance(status, int) and status >= 500 else logging.INFO
-  if not log.isEnabledFor(level):
-    return
-  if job is not None and prompt_tokens is None:
-    prompt_tokens = job.prompt_tokens
-  kept = None if job is None or job.kept_share is None else f"{job.kept_share:.3f}"
-  kv_bytes = None if job is None else job.kv_bytes
-  log.log(
-      level,
-      "tenant=%s %s %s prompt_tokens=%s kept_share=%s generated_tokens=%s kv_bytes=%s "
-      "seconds=%.3f status=%d",
-      tenant,
-      method,
-      endpoint,
-      _or_dash(prompt_tokens),
-      _or_dash(kept),
-      _or_dash(generated),
-      _or_dash(kv_bytes),
-      time.perf_counter() - started,
-      status,
-  )
-
-
-def _or_dash(value) -> str:
-  return "-" if value is None else str(value)
 
 
 class _Text:
@@ -146,7 +110,7 @@ class _Text:
 
 class _Service:
   """What the routes share: the engine, the model's name, the contexts, the default
-  temperature, the request counts."""
+  temperature, the request counts (`telemetry`)."""
 
   def __init__(
       self,
@@ -157,49 +121,11 @@ class _Service:
   ):
     self.engine, self.model_name, self.contexts = engine, model_name, contexts
     self.default_temperature = default_temperature
-    self.requests: dict[tuple[str, int], int] = {}
+    self.telemetry = Telemetry()
 
   def finish(self, scope: dict, endpoint: str, status: int, job=None, generated=None):
-    """Counts an answered request (by `endpoint`, its label in /metrics) and logs it
-    (`scope`: the request's ASGI scope; a /v1 request's holds its tenant and arrival)."""
-    self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
-    state = scope.get("state", {})
-    if "started" in state:
-      tenant, started = state["tenant"], state["started"]
-      log_request(tenant, scope["method"], scope["path"], status, started, job, generated)
-
-  def metrics(self) -> str:
-    """The Prometheus text exposition of the server's counters and the engine's gauges."""
-    stats = self.engine.stats()
-    lines = [
-        "# HELP kvjax_requests_total HTTP requests answered, by endpoint and status.",
-        "# TYPE kvjax_requests_total counter",
-    ]
-    for (endpoint, status), n in sorted(self.requests.items()):
-      lines.append(f'kvjax_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-    page = stats["page_bytes"]
-    gauges = {
-        "kvjax_queue_depth": ("requests waiting for memory or a row", stats["queue"]),
-        "kvjax_rows_in_use": ("rows (slots) decoding a request", stats["rows_in_use"]),
-        "kvjax_rows": ("rows of the served batch", stats["rows"]),
-        "kvjax_kv_bytes_reserved": (
-            "K/V bytes the running requests' plans reserve",
-            stats["pages_reserved"] * page,
-        ),
-        "kvjax_kv_bytes_pool": ("K/V bytes of the page pool", stats["pages"] * page),
-        "kvjax_tokens_per_second": (
-            "tokens generated per second, last round",
-            stats["tokens_per_s"],
-        ),
-    }
-    for name, (text, value) in gauges.items():
-      lines += [f"# HELP {name} {text}.", f"# TYPE {name} gauge", f"{name} {value}"]
-    lines += [
-        "# HELP kvjax_generated_tokens_total tokens generated.",
-        "# TYPE kvjax_generated_tokens_total counter",
-        f"kvjax_generated_tokens_total {stats.get('generated_tokens', 0)}",
-    ]
-    return "\n".join(lines) + "\n"
+    """Counts an answered request and logs it (`Telemetry.finish`)."""
+    self.telemetry.finish(scope, endpoint, status, job, generated)
 
   def submit(self, body: wire._Common, chat: bool, context=None):
     """(the engine request, its events queue, the text decoder) for `body`, submitted
@@ -231,7 +157,12 @@ class _Service:
         stops=not body.ignore_eos,
         stream=body.stream,
     )
-    engine.submit(job)  # sets job.prompt_tokens
+    try:
+      engine.submit(job)  # sets job.prompt_tokens
+    except Unservable as err:
+      if context is None:
+        raise
+      raise wire.BadRequest(f"the context was stored with {err}", "context_id") from None
     return job, events, text
 
   async def complete(self, request: Request, body: wire._Common, chat: bool):
@@ -253,7 +184,7 @@ class _Service:
         return _context_not_found()
     try:
       job, events, text = self.submit(body, chat, context)
-    except Exception as err:  # noqa: BLE001 - answered below, or raised again
+    except Exception as err:  # noqa: BLE001 - each answered by its status (`refused`)
       return self.refused(request, endpoint, err)
     rid = wire.new_id("chatcmpl" if chat else "cmpl")
     flow = _events(events, text, self.engine, job, per_token=body.stream)
@@ -281,13 +212,24 @@ class _Service:
       return PlainTextResponse("", 499)
     try:
       work.result()
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 - the request failed (its error event), alone
+      self.engine.cancel(job.id)  # where it failed here, not in the engine
       self.finish(request.scope, endpoint, 500, job, ended["generated"])
-      return _error(500, str(err), "server_error")
+      message = str(err) if isinstance(err, _RequestFailed) else _one_line(err)
+      return _error(500, message, "server_error")
     self.finish(request.scope, endpoint, 200, job, ended["generated"])
     make = wire.chat_response if chat else wire.completion_response
     out, finish, generated = "".join(parts), ended["finish"], ended["generated"]
     return make(rid, self.model_name, out, finish, job.prompt_tokens, generated)
+
+  async def answer(self, request: Request, work):
+    """The response `work` (a route's coroutine) gives; an error it did not answer is a 500
+    error object, counted and logged in one line (never a traceback)."""
+    try:
+      return await work
+    except Exception as err:  # noqa: BLE001 - answered, never re-raised
+      self.finish(request.scope, endpoint_label(request.url.path), 500)
+      return _error(500, _one_line(err), "server_error")
 
   def refused(self, request: Request, endpoint: str, err: Exception):
     """The error response to a request the engine did not take (`err`), counted."""
@@ -301,17 +243,20 @@ class _Service:
       )
     elif isinstance(err, RequestTooLarge):
       status, response = 400, _error(400, str(err), "invalid_request_error", err.field)
+    elif isinstance(err, Unservable):
+      param = f"compression.{err.field}"
+      status, response = 400, _error(400, str(err), "invalid_request_error", param)
     elif isinstance(err, wire.BadRequest):
       status = err.status
       response = _error(status, str(err), "invalid_request_error", err.param, err.code)
     elif isinstance(err, (ValueError, TypeError)):
       message = str(err).splitlines()[0]
       status, response = 400, _error(400, message, "invalid_request_error", _param_of(err))
-    elif isinstance(err, RuntimeError):  # the engine stopped (the server is shutting down)
+    elif isinstance(err, EngineStopped):  # stopping, or its thread stopped on an error
       status = 503
       response = _error(503, str(err), "server_error", headers={"Retry-After": "1"})
-    else:
-      raise err
+    else:  # not the request's fault: a failure, answered and logged in one line
+      status, response = 500, _error(500, _one_line(err), "server_error")
     self.finish(request.scope, endpoint, status)
     return response
 
@@ -343,6 +288,8 @@ class _Service:
     except RequestTooLarge as err:
       err.field = "text"
       return self.refused(request, endpoint, err)
+    except Unservable as err:  # here, top-level fields
+      return self.refused(request, endpoint, wire.BadRequest(str(err), err.field))
     except wire.BadRequest as err:
       if err.param and err.param.startswith("compression."):  # here, top-level fields
         err.param = err.param.removeprefix("compression.")
@@ -351,19 +298,21 @@ class _Service:
       return self.refused(request, endpoint, wire.BadRequest(str(err).splitlines()[0], "text"))
     tenant = request.state.tenant
 
-    def compress_and_store():
-      state = prefill(engine.model, [prompt], spec, tokenizer=engine.tokenizer, reserve=0)
+    def compress_and_store():  # the document as `check` encoded it
+      encoded = job.planned.encoded
+      state = prefill(engine.model, encoded, spec, tokenizer=engine.tokenizer, reserve=0)
       return self.contexts.save(tenant, state, job.prompt_tokens)
 
     try:
       made = await asyncio.wrap_future(engine.call(compress_and_store))
+    except EngineStopped as err:
+      return self.refused(request, endpoint, err)
     except QuotaExceeded as err:
       self.finish(request.scope, endpoint, 429)
       return _error(429, str(err), "insufficient_quota", code="insufficient_quota")
     except Exception as err:  # noqa: BLE001 - the read failed (a full disk, say): no traceback
       self.finish(request.scope, endpoint, 500)
-      message = f"{type(err).__name__}: {err}".splitlines()[0]
-      return _error(500, f"the context could not be stored: {message}", "server_error")
+      return _error(500, f"the context could not be stored: {_one_line(err)}", "server_error")
     job.kept_share, job.kv_bytes = made.kept_share, made.kv_bytes
     self.finish(request.scope, endpoint, 200, job, 0)
     return {"object": "context", **dataclasses.asdict(made)}
@@ -381,6 +330,10 @@ class _Service:
 def _context_not_found():
   # One answer for an unknown id and another tenant's: nothing tells them apart.
   return _error(404, "no such context", "invalid_request_error", "context_id", "context_not_found")
+
+
+class _RequestFailed(RuntimeError):
+  """The engine ended a request with an error event (its message, one line)."""
 
 
 async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job, per_token: bool):
@@ -404,7 +357,7 @@ async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job, per_t
       yield "", value, generated
       return
     else:
-      raise RuntimeError(value)
+      raise _RequestFailed(value)
 
 
 def make_app(
@@ -427,7 +380,7 @@ def make_app(
     stats = engine.stats()
     log.info(
         "stopped after %d requests answered, %d tokens generated",
-        sum(service.requests.values()),
+        sum(service.telemetry.requests.values()),
         stats.get("generated_tokens", 0),
     )
 
@@ -439,18 +392,23 @@ def make_app(
     first = exc.errors()[0]
     loc = [str(x) for x in first["loc"] if x != "body"]
     param = None if first["type"] == "json_invalid" or not loc else ".".join(loc)
-    service.finish(request.scope, _endpoint_label(request.url.path), 400)
+    service.finish(request.scope, endpoint_label(request.url.path), 400)
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     return _error(400, message, "invalid_request_error", param)
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: Request, exc: StarletteHTTPException):
-    endpoint = "other" if exc.status_code == 404 else _endpoint_label(request.url.path)
+    endpoint = "other" if exc.status_code == 404 else endpoint_label(request.url.path)
     service.finish(request.scope, endpoint, exc.status_code)
     return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
   @app.get("/health")
   async def health():
+    # 503 once the engine takes no request (stopping, or its thread stopped on an error):
+    # a load balancer stops sending requests that could only fail.
+    why = engine.unavailable()
+    if why is not None:
+      return JSONResponse({"status": "unavailable", "reason": why}, 503)
     return {"status": "ok"}
 
   @app.get("/v1/models")
@@ -461,25 +419,33 @@ def make_app(
 
   @app.get("/metrics")
   async def prometheus():
-    return PlainTextResponse(service.metrics(), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(
+        service.telemetry.metrics(engine), media_type="text/plain; version=0.0.4"
+    )
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: wire.ChatRequest, request: Request):
-    return await service.complete(request, body, chat=True)
+    return await service.answer(request, service.complete(request, body, chat=True))
 
   @app.post("/v1/completions")
   async def completions(body: wire.CompletionRequest, request: Request):
-    return await service.complete(request, body, chat=False)
+    return await service.answer(request, service.complete(request, body, chat=False))
 
   @app.post("/v1/contexts")
   async def create_context(body: wire.ContextRequest, request: Request):
-    return await service.create_context(request, body)
+    return await service.answer(request, service.create_context(request, body))
 
   @app.delete("/v1/contexts/{cid}")
   async def delete_context(cid: str, request: Request):
-    return await service.delete_context(request, cid)
+    return await service.answer(request, service.delete_context(request, cid))
 
   return app
+
+
+def _one_line(err: BaseException) -> str:
+  """An unexpected error as a client and the log see it: its type and first line, never a
+  traceback."""
+  return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
 def _param_of(err: Exception) -> str | None:
@@ -518,10 +484,12 @@ async def _stream(flow, service: _Service, request: Request, job, rid, chat, bod
       yield _sse(end)
     service.finish(request.scope, endpoint, 200, job, generated)
     yield "data: [DONE]\n\n"
-  except RuntimeError as err:  # the request failed alone (e.g. non-finite logits)
+  except Exception as err:  # noqa: BLE001 - the request failed alone (e.g. non-finite logits)
     finished = True
+    service.engine.cancel(job.id)  # where it failed here, not in the engine
     service.finish(request.scope, endpoint, 500, job, generated)
-    yield _sse(wire.error_body(str(err), "server_error"))
+    message = str(err) if isinstance(err, _RequestFailed) else _one_line(err)
+    yield _sse(wire.error_body(message, "server_error"))
     yield "data: [DONE]\n\n"
   finally:
     if not finished:

@@ -107,3 +107,63 @@ def test_many_requests_leave_no_row_or_page_held(model):
   assert int(np.asarray(batch.state.cache.length).sum()) == 0
   assert int(batch.state.cache.pages.num_free) == batch.state.cache.num_pages - 1
   assert_cache_invariants(batch.state.cache)
+
+
+def _two_rows(model, spec, num_pages, pages=(None, None)):
+  """A batch of two rows over `num_pages` pages, each holding an 8-token prompt (one page a
+  sequence) with 6 tokens to generate, at most `pages` pages each (None: the pool's)."""
+  batch = _batch.empty_batch(model, _plan(model, spec), 2, num_pages, max_tokens=256)
+  for row, prompt in enumerate(("abcdefgh", "zyxwvuts")):
+    request = _prefill(model, prompt, spec)
+    batch = _batch.insert(
+        batch,
+        request,
+        row,
+        max_tokens=6,
+        budget=NEVER,
+        sampling=kvjax.Sampling(),
+        stops=False,
+        pages=pages[row],
+    )
+  return batch
+
+
+def test_a_row_that_would_pass_its_pages_stops_before_its_append_alone(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  # Row 0 may hold the 4 pages it holds (a reservation short of its next token's page).
+  batch = _two_rows(model, spec, num_pages=200, pages=(4, None))
+  free = int(batch.state.cache.pages.num_free)
+  batch, stepped = _batch.run_steps(model, batch, STOP, 4)
+  assert np.asarray(stepped.short).tolist() == [True, False]
+  assert np.asarray(stepped.count).tolist() == [0, 4]  # nothing of row 0 appended
+  assert int(batch.state.cache.status) == 0
+  assert np.asarray(batch.state.cache.length)[:, 0].tolist() == [[8, 8], [8, 8]]
+  assert int(batch.state.cache.pages.num_free) == free - 4  # row 1's four new pages only
+  batch, stepped = _batch.run_steps(model, batch, STOP, 4)  # row 0 stays stopped
+  assert np.asarray(stepped.count).tolist() == [0, 2]
+  alone = kvjax.decode(model, _prefill(model, "zyxwvuts", spec), 6)[1].tokens[0]
+  assert alone[4:] == np.asarray(stepped.tokens)[1, :2].tolist()
+
+
+def test_an_append_the_pool_drops_fails_the_rows_that_appended_and_clears_the_status(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  # 8 usable pages: both rows hold them all, and their first append needs 8 more.
+  batch = _two_rows(model, spec, num_pages=9)
+  batch, stepped = _batch.run_steps(model, batch, STOP, 4)
+  assert np.asarray(stepped.short).tolist() == [True, True]
+  assert np.asarray(stepped.count).tolist() == [1, 1]  # the token whose append was dropped
+  assert int(batch.state.cache.status) == 0  # acted on: nothing left for the next program
+  assert np.asarray(batch.failed).tolist() == [True, True]
+  batch, stepped = _batch.run_steps(model, batch, STOP, 4)
+  assert np.asarray(stepped.count).tolist() == [0, 0]
+
+
+def test_an_insert_the_pool_cannot_hold_leaves_the_row_free(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  batch = _batch.empty_batch(model, _plan(model, spec), 2, 4, max_tokens=256)  # 3 pages
+  request = _prefill(model, "abcdefgh", spec)  # 4 sequences of a page each
+  batch = _batch.insert(batch, request, 0, max_tokens=6, budget=NEVER, sampling=kvjax.Sampling())
+  assert int(batch.state.cache.status) & 1  # OUT_OF_PAGES: `check_status` raises
+  assert not np.asarray(batch.active).any()
+  batch, stepped = _batch.run_steps(model, batch, STOP, 4)
+  assert np.asarray(stepped.count).tolist() == [0, 0]

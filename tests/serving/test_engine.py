@@ -54,8 +54,8 @@ def _engine(model, spec, pages, rows=4, queue=64):
   return Engine(model, TOK, spec, config).start()
 
 
-def _alone(model, prompt, spec, max_tokens):
-  state = kvjax.prefill(model, [TOK.encode(prompt)], spec)
+def _alone(model, prompt, spec, max_tokens, tokenizer=None):
+  state = kvjax.prefill(model, [TOK.encode(prompt)], spec, tokenizer=tokenizer)
   return kvjax.decode(model, state, max_tokens)[1].tokens[0]
 
 
@@ -277,3 +277,228 @@ def test_a_streaming_request_gets_each_token_after_its_step_others_after_a_round
     assert collector.finished.wait(120) and collector.end == ("done", "length")
   engine.stop()
   assert sizes == {False: [4, 4, 2], True: [1] * 10}
+
+
+# ---- a request cannot break the engine (issue 60) ---------------------------------------
+
+
+def _idle_and_whole(engine):
+  """Every row free, nothing reserved, every page of the pool free again."""
+  stats = engine.stats()
+  assert stats["rows_in_use"] == 0 and stats["pages_reserved"] == 0, stats
+  cache = engine.batch.state.cache
+  assert not np.asarray(engine.batch.active).any()
+  assert int(cache.pages.num_free) == cache.num_pages - 1
+  assert int(cache.status) == 0
+
+
+BIG_PROMPT = [3 + i % 250 for i in range(136)]
+
+
+def _ids_request(ids, spec, max_tokens):
+  """A request of token ids that runs to `max_tokens` (no stop token ends it early)."""
+  return Request(list(ids), spec, max_tokens, Collector(), stops=False)
+
+
+def _spec(**fields):
+  return kvjax.CompressionSpec(page_size=4, **fields)
+
+
+@pytest.mark.slow  # ~30 s each: the steps of two specs to compile
+@pytest.mark.parametrize(
+    "server, large",
+    [
+        # The server evicts at 32 tokens past a 4-token margin; the request reads its prompt
+        # at 128 with its own margin (8 tokens): its 136 tokens stay, past its row's 132.
+        ({"policy": "h2o", "budget": 32}, {"policy": "h2o", "budget": 128}),
+        # A fractional server budget: the batch's margin is sized on a 1-token prompt (4),
+        # the request's budget (129 tokens) and margin (8) on its own prompt.
+        ({"policy": "h2o", "budget": 0.95}, {"policy": "h2o", "budget": 0.95}),
+    ],
+)
+def test_a_request_read_with_a_larger_margin_reserves_its_first_step(model, server, large):
+  spec, full = _spec(**server), _spec()
+  # Its 4 sequences of 136 tokens (34 pages) take a 35th page each at their first step: 140
+  # pages. A full-cache request beside holds all its 20 pages (5 a sequence) from the start.
+  engine = _engine(model, spec, pages=136 + 20, rows=2)
+  small = _ids_request(range(3, 20), full, 3)
+  big = _ids_request(BIG_PROMPT, _spec(**large), 4)
+  engine.submit(small)
+  engine.submit(big)
+  for request in (small, big):
+    c = request.emit
+    assert c.finished.wait(120) and c.end == ("done", "length"), c.end
+  assert len(big.emit.tokens) == 4
+  # Nothing of the others stays behind (no status, no page), and nothing was dropped: the
+  # same request again, alone in the batch, generates the same tokens.
+  after = _ids_request(range(3, 20), full, 3)
+  engine.submit(after)
+  assert after.emit.finished.wait(120) and after.emit.end == ("done", "length"), after.emit.end
+  assert small.emit.tokens == after.emit.tokens
+  engine.stop()
+  _idle_and_whole(engine)
+  assert big.planned.pages == 140  # admission counted its first step's pages
+
+
+def test_a_request_whose_first_step_passes_the_pool_is_refused_naming_max_tokens(model):
+  engine = _engine(model, _spec(policy="h2o", budget=32), pages=136, rows=2)
+  big = _ids_request(BIG_PROMPT, _spec(policy="h2o", budget=128), 4)
+  with pytest.raises(RequestTooLarge, match="needs 140 pages") as err:
+    engine.submit(big)
+  assert err.value.field == "max_tokens"  # its prompt alone fits (136 pages)
+  engine.stop()
+
+
+def test_a_failure_after_insertion_frees_the_row_and_its_pages(model, monkeypatch):
+  from kvjax.cache.paged_cache import CacheError
+  from kvjax.serving import _engine as engine_module
+
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+  fail_once = [True]
+  check = engine_module.check_status
+
+  def failing_check(cache):  # the insert's status, read after the row took its pages
+    if fail_once.pop() if fail_once else False:
+      raise CacheError("out of pages: injected")
+    check(cache)
+
+  monkeypatch.setattr(engine_module, "check_status", failing_check)
+  bad, c_bad = _request("the first prompt", spec, 6)
+  engine.submit(bad)
+  assert c_bad.finished.wait(60) and c_bad.end == ("error", "CacheError: out of pages: injected")
+  good, c_good = _request("the second prompt", spec, 6)
+  engine.submit(good)
+  assert c_good.finished.wait(60) and c_good.end == ("done", "length")
+  assert c_good.tokens == _alone(model, "the second prompt", spec, 6)
+  engine.stop()
+  _idle_and_whole(engine)
+  assert engine.stats()["failed"] == 1
+
+
+def test_a_row_past_its_reservation_fails_alone_and_the_others_go_on(model, monkeypatch):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+  prompt = "a prompt of thirty bytes, or so"
+  short = _ids_request(TOK.encode(prompt), spec, 40)
+  c_short = short.emit
+  settle = engine._settle
+
+  def short_reservation(request, need):  # an engine bug: two pages short of its peak
+    settle(request, need - 2 if request is short else need)
+
+  monkeypatch.setattr(engine, "_settle", short_reservation)
+  other = "zz top zz top"
+  good = _ids_request(TOK.encode(other), spec, 40)
+  c_good = good.emit
+  engine.submit(short)
+  engine.submit(good)
+  assert c_short.finished.wait(120) and c_short.end[0] == "error", c_short.end
+  assert "out of pages" in c_short.end[1] and 0 < len(c_short.tokens) < 40
+  # Its tokens up to its last full page are its own: the ones it would generate alone.
+  assert c_short.tokens == _alone(model, prompt, spec, 40)[: len(c_short.tokens)]
+  assert c_good.finished.wait(120) and c_good.tokens == _alone(model, other, spec, 40)
+  engine.stop()
+  _idle_and_whole(engine)
+
+
+def test_a_round_that_raises_fails_its_requests_and_the_engine_goes_on(model, monkeypatch):
+  from kvjax.serving import _engine as engine_module
+
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+  compiled = engine_module.compiled
+  fail_once = [True]
+
+  def failing_compiled(*args, **kwargs):
+    if fail_once.pop() if fail_once else False:
+      raise RuntimeError("a round that cannot compile")
+    return compiled(*args, **kwargs)
+
+  monkeypatch.setattr(engine_module, "compiled", failing_compiled)
+  bad, c_bad = _request("the first prompt", spec, 6)
+  engine.submit(bad)
+  assert c_bad.finished.wait(60) and c_bad.end == (
+      "error",
+      "RuntimeError: a round that cannot compile",
+  )
+  good, c_good = _request("the second prompt", spec, 6)
+  engine.submit(good)
+  assert c_good.finished.wait(60) and c_good.tokens == _alone(model, "the second prompt", spec, 6)
+  assert engine.unavailable() is None
+  engine.stop()
+  _idle_and_whole(engine)
+
+
+def test_an_engine_whose_thread_stops_fails_what_it_holds_and_refuses_the_rest(model, monkeypatch):
+  from kvjax.serving._engine import EngineStopped
+
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=80, rows=2)
+
+  def broken():  # an error in the engine's own code, outside any request's handling
+    raise RuntimeError("a bug in the engine")
+
+  monkeypatch.setattr(engine, "_admit", broken)
+  waiting, c_waiting = _request("a prompt", spec, 6)
+  engine.submit(waiting)
+  assert c_waiting.finished.wait(60)
+  assert c_waiting.end == ("error", "the engine stopped: RuntimeError: a bug in the engine")
+  engine._thread.join(10)
+  assert engine.unavailable() == "the engine stopped: RuntimeError: a bug in the engine"
+  later, _ = _request("a later prompt", spec, 6)
+  with pytest.raises(EngineStopped, match="a bug in the engine"):
+    engine.submit(later)
+  with pytest.raises(EngineStopped):
+    engine.call(lambda: None)
+  engine.stop()  # returns: the thread has ended
+
+
+@pytest.mark.parametrize(
+    "server, field",
+    [
+        ({"policy": "h2o", "budget": 32, "head_budget": "layer"}, "head_budget"),
+        ({"policy": "h2o", "budget": 32, "budget_schedule": "pyramid"}, "budget_schedule"),
+    ],
+)
+def test_a_spec_the_rows_cannot_decode_is_refused_naming_its_field(model, server, field):
+  from kvjax.serving._engine import Unservable
+
+  with pytest.raises(Unservable) as err:
+    _engine(model, kvjax.CompressionSpec(**server), pages=80)
+  assert err.value.field == field and str(err.value).startswith(f"{field}=")
+
+
+def test_a_request_for_a_spec_the_rows_cannot_decode_is_refused_naming_its_field(model):
+  from kvjax.serving._engine import Unservable
+
+  engine = _engine(model, kvjax.CompressionSpec(policy="h2o", budget=32), pages=80)
+  for spec, field in [
+      (kvjax.CompressionSpec(policy="snapkv", budget=32), "policy"),  # another running one
+      (kvjax.CompressionSpec(policy="h2o", budget=32, kv_dtype="int8"), "kv_dtype"),
+      (kvjax.CompressionSpec(policy="h2o", budget=32, head_budget="layer"), "head_budget"),
+  ]:
+    with pytest.raises(Unservable) as err:
+      engine.submit(Request(TOK.encode("hi"), spec, 4, Collector()))
+    assert err.value.field == field
+  engine.stop()
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param({"policy": "kvzip", "budget": 0.5}, marks=pytest.mark.slow),  # ~30 s
+        {"policy": "h2o", "budget": 32, "compress": "once"},
+    ],
+)
+def test_a_server_whose_policy_compresses_once_serves_its_requests(model, server):
+  spec = kvjax.CompressionSpec(**server)  # every request compressed once, rows keep it all
+  engine = _engine(model, spec, pages=200)
+  prompt = "the quick brown fox jumps over the lazy dog " * 2
+  request, c = _request(prompt, spec, 6)
+  engine.submit(request)
+  assert c.finished.wait(120) and c.end == ("done", "length"), c.end
+  # kvzip's reconstruction pass reads an instruction the tokenizer encodes, as the engine's.
+  assert c.tokens == _alone(model, prompt, spec, 6, tokenizer=TOK) and request.kept_share < 1
+  engine.stop()
+  _idle_and_whole(engine)
