@@ -16,8 +16,21 @@ import tempfile
 import time
 
 POLICIES = [
-    "full", "streaming", "h2o", "h2o_mean", "group_history", "tova", "snapkv", "knorm",
-    "random", "output_impact", "dropkv", "info_aware", "kvzip", "kvzip_plus", "learned",
+    "full",
+    "streaming",
+    "h2o",
+    "h2o_mean",
+    "group_history",
+    "tova",
+    "snapkv",
+    "knorm",
+    "random",
+    "output_impact",
+    "dropkv",
+    "info_aware",
+    "kvzip",
+    "kvzip_plus",
+    "learned",
     "expected_attention",
 ]
 BUDGETS = [0.5, 0.25]
@@ -28,7 +41,15 @@ VARIANTS = {
     "snapkv/layer": dict(policy="snapkv", budget=0.25, head_budget="layer"),
     "tova/page8": dict(policy="tova", budget=0.25, page_size=8, group_size=8),
 }
-FIDELITY = ["h2o", "snapkv", "kvzip", "learned", "expected_attention", "info_aware", "output_impact"]
+FIDELITY = [
+    "h2o",
+    "snapkv",
+    "kvzip",
+    "learned",
+    "expected_attention",
+    "info_aware",
+    "output_impact",
+]
 
 
 def _generation(kvjax, model, tok, prompt, **spec):
@@ -87,7 +108,13 @@ def record(path):
     for budget in BUDGETS:
       spec = kvjax.CompressionSpec(policy=policy, budget=budget)
       r = E.windowed_fidelity(
-          model, tok, ids, spec=spec, context_tokens=2048, continuation_tokens=32, windows=2,
+          model,
+          tok,
+          ids,
+          spec=spec,
+          context_tokens=2048,
+          continuation_tokens=32,
+          windows=2,
           references=references,
       )
       out["fidelity"][f"{policy}/{budget}"] = {"kl": r["kl"], "top1": r["top1"]}

@@ -167,20 +167,45 @@ def draw(curves: dict[str, list[dict]], runs: list[dict], out: pathlib.Path) -> 
       have = [r for r in rows if r.get(key) is not None]
       zero = [r for r in have if r["kl"] == 0]
       for r in zero:  # the full cache: KL 0 has no place on a log axis
-        ax.axvline(r[key] / MIB, color=color, linestyle="--", linewidth=1.2,
-                   label=f"{label} (KL 0)" if ax is axes[0] else None)
-        ax.annotate(f"{label}: KL 0, {r[key] / MIB:.1f} MiB", (r[key] / MIB, min(positive)),
-                    rotation=90, va="bottom", ha="right", fontsize=7, color=color)
+        ax.axvline(
+            r[key] / MIB,
+            color=color,
+            linestyle="--",
+            linewidth=1.2,
+            label=f"{label} (KL 0)" if ax is axes[0] else None,
+        )
+        ax.annotate(
+            f"{label}: KL 0, {r[key] / MIB:.1f} MiB",
+            (r[key] / MIB, min(positive)),
+            rotation=90,
+            va="bottom",
+            ha="right",
+            fontsize=7,
+            color=color,
+        )
       have = sorted((r for r in have if r["kl"] > 0), key=lambda r: -(r["budget"] or 1.0))
       if not have:
         continue
       x = [r[key] / MIB for r in have]
       y = [r["kl"] for r in have]
-      ax.plot(x, y, "o-", color=color, linewidth=1.3, markersize=5,
-              label=label if ax is axes[0] and not zero else None)
+      ax.plot(
+          x,
+          y,
+          "o-",
+          color=color,
+          linewidth=1.3,
+          markersize=5,
+          label=label if ax is axes[0] and not zero else None,
+      )
       for r, xi in zip(have, x):
-        ax.annotate(f"{r['budget']:g}" if r["budget"] is not None else "all", (xi, r["kl"]),
-                    textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+        ax.annotate(
+            f"{r['budget']:g}" if r["budget"] is not None else "all",
+            (xi, r["kl"]),
+            textcoords="offset points",
+            xytext=(4, 3),
+            fontsize=7,
+            color=color,
+        )
   for ax, _, xlabel in panels:
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
@@ -206,10 +231,19 @@ def draw(curves: dict[str, list[dict]], runs: list[dict], out: pathlib.Path) -> 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("runs", nargs="*", default=list(DEFAULT_RUNS),
-                      help="results.json paths, each optionally PATH::policy[=label];...")
-  parser.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
-                      help="kept fractions to draw (the full cache always)")
+  parser.add_argument(
+      "runs",
+      nargs="*",
+      default=list(DEFAULT_RUNS),
+      help="results.json paths, each optionally PATH::policy[=label];...",
+  )
+  parser.add_argument(
+      "--budgets",
+      type=float,
+      nargs="+",
+      default=list(DEFAULT_BUDGETS),
+      help="kept fractions to draw (the full cache always)",
+  )
   parser.add_argument("--out", default=DEFAULT_OUT, help="the PNG to write")
   args = parser.parse_args(argv)
   parsed = [parse_run(r) for r in args.runs]

@@ -208,7 +208,14 @@ def side_record(side, versions, command, windows_done, t0, full, records) -> dic
 
 
 def new_record(name: str, budget: float, variant: str, **extra) -> dict:
-  return {"pair": name, "budget": budget, "variant": variant, **extra, "windows": [], "seconds": 0.0}
+  return {
+      "pair": name,
+      "budget": budget,
+      "variant": variant,
+      **extra,
+      "windows": [],
+      "seconds": 0.0,
+  }
 
 
 # --------------------------------------------------------------------------- kvjax side
@@ -253,7 +260,9 @@ def cut_windows(args, out: pathlib.Path, source, ids: list[int]) -> list[tuple[l
           "context_tokens": ctx_n,
           "continuation_tokens": cont_n,
           "starts": starts,
-          "windows": [{"start": s, "context": c, "continuation": n} for s, (c, n) in zip(starts, pairs)],
+          "windows": [
+              {"start": s, "context": c, "continuation": n} for s, (c, n) in zip(starts, pairs)
+          ],
       },
   )
   log(f"kvjax: {len(ids)} text tokens, windows at {starts}")
@@ -555,34 +564,46 @@ def table_intro(windows: dict, kp: dict, n_windows: int) -> list[str]:
   return [
       "# Quality against kvpress",
       "",
-      (f"kvjax against NVIDIA kvpress {kp['versions']['kvpress']} on {windows['model']} "
-      f"(`{pathlib.Path(windows['gguf']).name}`, float32, CPU), on the same token windows: "
-      f"**{n_windows} windows x {cont} teacher-forced continuation predictions** "
-      f"({n_windows * cont} predictions per cell) after a {windows['context_tokens']}-token "
-      f"context compressed to the kept fraction; the windows come from kvjax's default text "
-      f"({windows['text_tokens']} tokens) at token offsets {windows['starts'][:n_windows]}, as "
-      "`kvjax.eval.windowed_fidelity` places them."),
+      (
+          f"kvjax against NVIDIA kvpress {kp['versions']['kvpress']} on {windows['model']} "
+          f"(`{pathlib.Path(windows['gguf']).name}`, float32, CPU), on the same token windows: "
+          f"**{n_windows} windows x {cont} teacher-forced continuation predictions** "
+          f"({n_windows * cont} predictions per cell) after a {windows['context_tokens']}-token "
+          f"context compressed to the kept fraction; the windows come from kvjax's default text "
+          f"({windows['text_tokens']} tokens) at token offsets {windows['starts'][:n_windows]}, as "
+          "`kvjax.eval.windowed_fidelity` places them."
+      ),
       "",
-      ("Each cell: mean KL(P_full || P_compressed) in nats over the predictions ± its standard "
-      "error over the windows / top-1 agreement with the full cache's argmax; each side against "
-      "its own full cache (kvjax's fidelity metric, `kvjax.eval.fidelity`). Lower KL and higher "
-      "top-1 are better. Columns:"),
+      (
+          "Each cell: mean KL(P_full || P_compressed) in nats over the predictions ± its standard "
+          "error over the windows / top-1 agreement with the full cache's argmax; each side against "
+          "its own full cache (kvjax's fidelity metric, `kvjax.eval.fidelity`). Lower KL and higher "
+          "top-1 are better. Columns:"
+      ),
       "",
-      ("- *kvpress*: the press with `compression_ratio = 1 - kept`, its other parameters at their "
-      "defaults, used as a context manager around the forward over the context;"),
-      ("- *kvjax matched*: compressed once after the context with the same fraction kept in every "
-      "layer and kv head, as kvpress' scorer presses do: `CompressionSpec(policy=p, budget=b, "
-      "compress=\"once\", head_budget=\"uniform\")`; for kvzip one global ranking with the whole "
-      "context repeated in one pass, as KVzipPress does: `CompressionSpec(policy=\"kvzip:"
-      "chunk=2048\", budget=b, head_budget=\"global\")`; kvjax's default protected tokens (the "
-      "first 4 and the last budget // 4);"),
-      ("- *kvjax press*: *matched* with the press' own protected tokens instead (`sink`, `recent`: "
-      "none for knorm and h2o, the 4 sinks for streaming, expected attention and kvzip, the last "
-      "64 for snapkv, the last one for tova) and SnapKV's window of 64 and kernel of 5 "
-      "(`snapkv:window=64,kernel=5`);"),
-      ("- *kvjax default*: `CompressionSpec(policy=p, budget=b)` (running eviction while reading "
-      "and decoding for streaming, knorm, snapkv, tova, h2o, h2o_mean; compressed once with one "
-      "global ranking for expected_attention and kvzip)."),
+      (
+          "- *kvpress*: the press with `compression_ratio = 1 - kept`, its other parameters at their "
+          "defaults, used as a context manager around the forward over the context;"
+      ),
+      (
+          "- *kvjax matched*: compressed once after the context with the same fraction kept in every "
+          "layer and kv head, as kvpress' scorer presses do: `CompressionSpec(policy=p, budget=b, "
+          'compress="once", head_budget="uniform")`; for kvzip one global ranking with the whole '
+          'context repeated in one pass, as KVzipPress does: `CompressionSpec(policy="kvzip:'
+          'chunk=2048", budget=b, head_budget="global")`; kvjax\'s default protected tokens (the '
+          "first 4 and the last budget // 4);"
+      ),
+      (
+          "- *kvjax press*: *matched* with the press' own protected tokens instead (`sink`, `recent`: "
+          "none for knorm and h2o, the 4 sinks for streaming, expected attention and kvzip, the last "
+          "64 for snapkv, the last one for tova) and SnapKV's window of 64 and kernel of 5 "
+          "(`snapkv:window=64,kernel=5`);"
+      ),
+      (
+          "- *kvjax default*: `CompressionSpec(policy=p, budget=b)` (running eviction while reading "
+          "and decoding for streaming, knorm, snapkv, tova, h2o, h2o_mean; compressed once with one "
+          "global ranking for expected_attention and kvzip)."
+      ),
       "",
   ]
 
@@ -600,9 +621,9 @@ def table_rows(index: dict, budgets: list[float]) -> tuple[list[str], list[str]]
       rows = {v: index.get((name, budget, v)) for v in VARIANTS}
       if not any(rows.values()):
         continue
-      failed = sorted({
-          f"{v}: {w['error']}" for v, r in rows.items() if r for w in r["windows"] if "error" in w
-      })
+      failed = sorted(
+          {f"{v}: {w['error']}" for v, r in rows.items() if r for w in r["windows"] if "error" in w}
+      )
       if failed:
         left_out.append(f"{press} / {policy} at {budget:.0%}, failed windows: " + "; ".join(failed))
       if not (rows["kvpress"] or {}).get("ran"):
@@ -650,14 +671,20 @@ def how_it_was_run(args, jx: dict, kp: dict, seconds: list[str]) -> list[str]:
   return [
       "## How it was run",
       "",
-      (f"- kvjax side: kvjax {jv['kvjax']}, jax {jv['jax']} ({jv['backend']}), Python "
-      f"{jv['python']}; wall time {jx['wall_s'] / 60:.1f} min (of which the full cache "
-      f"{jf['seconds']:.0f} s)."),
-      (f"- kvpress side: kvpress {kv['kvpress']}, torch {kv['torch']}, transformers "
-      f"{kv['transformers']}, Python {kv['python']}, {kv['torch_threads']} torch threads; wall "
-      f"time {kp['wall_s'] / 60:.1f} min (of which the full cache {kf['seconds']:.0f} s)."),
-      (f"- Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work (wall "
-      "times are indicative only), the sides one after the other."),
+      (
+          f"- kvjax side: kvjax {jv['kvjax']}, jax {jv['jax']} ({jv['backend']}), Python "
+          f"{jv['python']}; wall time {jx['wall_s'] / 60:.1f} min (of which the full cache "
+          f"{jf['seconds']:.0f} s)."
+      ),
+      (
+          f"- kvpress side: kvpress {kv['kvpress']}, torch {kv['torch']}, transformers "
+          f"{kv['transformers']}, Python {kv['python']}, {kv['torch_threads']} torch threads; wall "
+          f"time {kp['wall_s'] / 60:.1f} min (of which the full cache {kf['seconds']:.0f} s)."
+      ),
+      (
+          f"- Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work (wall "
+          "times are indicative only), the sides one after the other."
+      ),
       "- Seconds per row over all windows, compiling included (kvpress / matched / press / "
       "default; the h2o_mean row's kvpress run is the h2o row's): " + "; ".join(seconds) + ".",
       "",
@@ -669,8 +696,10 @@ def how_it_was_run(args, jx: dict, kp: dict, seconds: list[str]) -> list[str]:
       "python -m benchmarks.vs_kvpress --table" + (f" --out {args.out}" if args.out != OUT else ""),
       "```",
       "",
-      ("Raw numbers, per window and per configuration (the kvjax specs in full): `windows.json` "
-      "(the token ids), `kvjax.json`, `kvpress.json`."),
+      (
+          "Raw numbers, per window and per configuration (the kvjax specs in full): `windows.json` "
+          "(the token ids), `kvjax.json`, `kvpress.json`."
+      ),
       "",
   ]
 
@@ -712,12 +741,20 @@ def main(argv=None) -> None:
   parser.add_argument("--windows", type=int, default=8)
   parser.add_argument("--context-tokens", type=int, default=2048)
   parser.add_argument("--continuation-tokens", type=int, default=64)
-  parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25],
-                      help="kept fractions (kvpress compression_ratio = 1 - kept)")
+  parser.add_argument(
+      "--budgets",
+      type=float,
+      nargs="+",
+      default=[0.5, 0.25],
+      help="kept fractions (kvpress compression_ratio = 1 - kept)",
+  )
   parser.add_argument("--pairs", nargs="+", default=list(PAIR_NAMES), choices=PAIR_NAMES)
   parser.add_argument("--threads", type=int, default=2, help="torch threads (kvpress side)")
-  parser.add_argument("--work", default="/tmp/kvpress-vs-kvjax",
-                      help="scratch directory of the kvpress side (its tokenizer copy)")
+  parser.add_argument(
+      "--work",
+      default="/tmp/kvpress-vs-kvjax",
+      help="scratch directory of the kvpress side (its tokenizer copy)",
+  )
   args = parser.parse_args(argv)
   args.argv = argv
   if args.table:

@@ -266,6 +266,7 @@ def _rewritten(environment, template):
     return nodes.Call(function, args, [], None, None, lineno=lineno, environment=environment)
 
   class Rewrite(NodeTransformer):
+
     def visit_For(self, node):
       node = self.generic_visit(node)
       node.iter = environment_call("_counted", [node.iter], node.lineno)

@@ -257,9 +257,7 @@ class ModelConfig:
         qk_norm=gemma or model_type == "qwen3",
         sliding_window=int(window) if layer_types else None,
         layer_types=layer_types,
-        rope_local_theta=float(
-            local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
-        )
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
         if gemma
         else None,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,

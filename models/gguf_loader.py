@@ -54,6 +54,8 @@ _GEMMA3_NAMES = TensorNames(
 # llama.cpp's Gemma 3: five sliding layers then a full one, local RoPE base 1e4 (its loader
 # fixes both; the files record neither).
 GEMMA3_PATTERN, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
+
+
 def _gemma3_turns(md: dict[str, Any]) -> dict[str, Any]:
   """A Gemma 3 file's metadata with what llama.cpp supplies where it is missing: the end of
   a turn (`<end_of_turn>`, found by name as llama.cpp finds it). The chat template is the

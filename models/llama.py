@@ -123,10 +123,7 @@ class Llama(nnx.Module):
       prefix = f"layers.{i}."
       names = [k.removeprefix(prefix) for k in shapes if k.startswith(prefix)]
       return nnx.Dict(
-          {
-              n: weight(prefix + n, shapes[prefix + n][::-1], norm=n.endswith("norm"))
-              for n in names
-          }
+          {n: weight(prefix + n, shapes[prefix + n][::-1], norm=n.endswith("norm")) for n in names}
       )
 
     self.layers = nnx.List([layer_weights(i) for i in range(c.n_layers)])

@@ -143,7 +143,9 @@ def test_cache_directories_are_made_private(private):
 def test_a_cache_directory_others_can_write_is_not_used(private, where, mode, reason):
   (private / "executables").mkdir(parents=True)
   (private / where).chmod(mode)
-  with pytest.warns(UserWarning, match=f"not using the cache directory {private / where}.*{reason}"):
+  with pytest.warns(
+      UserWarning, match=f"not using the cache directory {private / where}.*{reason}"
+  ):
     assert private_dir("executables") is None
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # said once per process

@@ -165,8 +165,8 @@ REAL_TEMPLATES = {
         "        {%- for tool_call in message.tool_calls %}\n"
         "            {%- if tool_call.function is defined %}\n"
         "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-        "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
-        "            {{- '\", \"arguments\": ' }}\n"
+        '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
+        '            {{- \'", "arguments": \' }}\n'
         "            {{- tool_call.arguments | tojson }}\n            {{- '}\\n</tool_call>' }}\n"
         "        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
         '    {%- elif message.role == "tool" %}\n'

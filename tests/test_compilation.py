@@ -51,10 +51,14 @@ def test_other_weights_reuse_the_step_other_shapes_do_not(store, monkeypatch):
   kvjax.generate(tiny_llama(seed=0), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   stored = set(store.glob("*.bin"))
   compilation._KEPT.clear()
-  other = kvjax.generate(tiny_llama(seed=1), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
+  other = kvjax.generate(
+      tiny_llama(seed=1), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4
+  )
   assert other.stats["loaded"] == 2, "weights are arguments, not part of the step"
   compilation._KEPT.clear()
-  deeper = kvjax.generate(tiny_llama(n_layers=3), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
+  deeper = kvjax.generate(
+      tiny_llama(n_layers=3), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4
+  )
   assert deeper.stats["loaded"] == 0 and len(set(store.glob("*.bin")) - stored) == 2
 
 

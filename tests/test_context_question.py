@@ -273,9 +273,7 @@ def test_generate_context_on_a_passkey_document_equals_prefill_and_ask(smollm, t
   state = kvjax.prefill(
       model, [document], kvjax.CompressionSpec("kvzip", 0.25), tokenizer=tok, chat=True
   )
-  _, answer = kvjax.ask(
-      model, tok, state, ["What is the pass key?"], chat=True, max_new_tokens=12
-  )
+  _, answer = kvjax.ask(model, tok, state, ["What is the pass key?"], chat=True, max_new_tokens=12)
   assert answer.texts[0] == out.out.strip()
   assert held == float(common.mib(answer.stats["kv_bytes_held"]))
   assert full == float(common.mib(answer.stats["full_kv_bytes"]))

@@ -140,6 +140,6 @@ def test_every_public_name_is_in_the_reference(site):
         path = f"{module_name}.{name}"
         missing.append(path + (f" (defined as {own})" if own and own != path else ""))
   assert not without_all, f"modules without __all__ (their public names): {without_all}"
-  assert not missing, (
-      "public names missing from the API reference (docs/reference/*.md):\n" + "\n".join(missing)
-  )
+  assert (
+      not missing
+  ), "public names missing from the API reference (docs/reference/*.md):\n" + "\n".join(missing)

@@ -72,7 +72,10 @@ def test_marked_tokens_beyond_budget_are_kept_with_a_warning():
   cache = kvjax.evict(_filled(cfg, 10, protected=protected), scores=jnp.zeros((1, 1, 1, 32)))
   assert _positions(cache) == list(range(9))
   assert kvjax.Status(int(cache.status)) & kvjax.Status.OVER_BUDGET
-  with pytest.warns(UserWarning, match=r"protected tokens \(a question, marked segments\) with the sink and recent window exceed budget=4"):
+  with pytest.warns(
+      UserWarning,
+      match=r"protected tokens \(a question, marked segments\) with the sink and recent window exceed budget=4",
+  ):
     kvjax.check_status(cache)
 
 

@@ -325,7 +325,9 @@ def test_the_session_sizes_the_statistics_by_the_models_query_heads(tiny, monkey
   c = model.config
   assert kvjax.seam.query_heads(model) == c.n_heads == 4
   spec = kvjax.CompressionSpec(policy="expected_attention", budget=0.25, prefill_chunk=32)
-  state = kvjax.runtime.session.begin(model, [CONTEXT[:40]], spec, tokenizer, False, 0, 0, None).state
+  state = kvjax.runtime.session.begin(
+      model, [CONTEXT[:40]], spec, tokenizer, False, 0, 0, None
+  ).state
   shapes = {name: x.shape for name, x in state.cache.extra.items()}
   assert shapes == {
       "query_count": (c.n_layers, 1),
@@ -335,5 +337,7 @@ def test_the_session_sizes_the_statistics_by_the_models_query_heads(tiny, monkey
   # Other policies keep none (and cost no abstract call of the model).
   monkeypatch.setattr(kvjax.runtime.session, "query_heads", None)
   h2o = kvjax.CompressionSpec(policy="h2o", budget=16, page_size=4)
-  state = kvjax.runtime.session.begin(model, [CONTEXT[:40]], h2o, tokenizer, False, 0, 0, None).state
+  state = kvjax.runtime.session.begin(
+      model, [CONTEXT[:40]], h2o, tokenizer, False, 0, 0, None
+  ).state
   assert state.cache.extra == {}

@@ -121,9 +121,9 @@ def test_a_nan_in_a_live_key_or_value_reaches_the_output(where):
   outputs = {
       "reference": jitted(paged_attention_reference)(*args)[0],
       "live blocks": jitted(pa.paged_attention_live_blocks, block_tokens=8)(*args)[0],
-      "pallas": jitted(paged_attention, impl="pallas", interpret=kernel_interpret(gpu_variant=True))(
-          *args
-      )[0],
+      "pallas": jitted(
+          paged_attention, impl="pallas", interpret=kernel_interpret(gpu_variant=True)
+      )(*args)[0],
       "gpu variant": jitted(paged_attention_pallas_gpu, interpret=gpu_interpret(), num_splits=2)(
           *args
       )[0],

@@ -78,9 +78,7 @@ def test_kernels_dequantize_like_the_reference(
 ):
   args, floats = problem(page_size, group, head_dim, length_kind, dtype, kv_dtype, kernel)
   fn, interpret = KERNELS[kernel]()
-  got = kh.jitted(fn, interpret=interpret, pages_per_block=pages_per_block, return_lse=True)(
-      *args
-  )
+  got = kh.jitted(fn, interpret=interpret, pages_per_block=pages_per_block, return_lse=True)(*args)
   assert_matches(got, reference(floats), dtype)
   # The reference reads quantized pools itself, to the same values.
   assert_matches(reference(args), reference(floats), "float32")

@@ -74,7 +74,9 @@ def test_every_command_and_block_runs(tmp_path):
       script = tmp_path / "block.py"
       script.write_text(block)
       outputs.append(_run(f"{shlex.quote(sys.executable)} block.py", tmp_path))
-    assert len(outputs) == len([x for x in _command_lines() if not x.startswith(("pip", "kvjax serve"))]) + len(python)
+    assert len(outputs) == len(
+        [x for x in _command_lines() if not x.startswith(("pip", "kvjax serve"))]
+    ) + len(python)
     text = "\n".join(o.stdout + o.stderr for o in outputs)
     assert "Paris" in text
     assert re.search(r"KV held [\d.]+ of [\d.]+ MiB \(2\d%\)", text)  # kvzip at 0.25

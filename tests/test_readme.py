@@ -39,9 +39,9 @@ def test_readme_python_calls_on_text_say_whether_they_chat():
 
 def test_readme_is_a_landing_page():
   lines = (ROOT / "README.md").read_text().splitlines()
-  assert len(lines) <= README_MAX_LINES, (
-      f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
-  )
+  assert (
+      len(lines) <= README_MAX_LINES
+  ), f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
 
 
 def test_readme_links_and_images_exist():

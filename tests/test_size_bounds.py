@@ -135,8 +135,7 @@ def test_generate_refuses_a_size_past_the_context_when_called_not_when_read(tiny
 # the CLI's flags, a tuned spec file (--spec) and the Python API. At f96ad57 each allocated
 # gigabytes (RESOURCE_EXHAUSTED, exit 1) or ran minutes: the script stops at the first case
 # that is not refused, so the old code fails fast and cannot exhaust the machine.
-_ALL_PATHS = textwrap.dedent(
-    """
+_ALL_PATHS = textwrap.dedent("""
     import contextlib, io, json, resource, sys
     try:
       resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
@@ -184,8 +183,7 @@ _ALL_PATHS = textwrap.dedent(
       print(json.dumps({"case": name, **outcome}), flush=True)
       if outcome["type"] != "ValueError":
         sys.exit(1)
-    """
-)
+    """)
 
 
 def test_every_path_refuses_a_size_past_the_context_before_allocating(tmp_path):

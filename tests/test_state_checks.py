@@ -126,9 +126,10 @@ def test_an_extra_or_enlarged_array_is_refused_before_any_array_is_restored(
   def more_pages(meta, arrays):
     arrays["k_pages"] = np.concatenate([arrays["k_pages"], np.zeros_like(arrays["k_pages"])])
 
-  paths = {name: rewrite(saved["full"], tmp_path / name, edit) for name, edit in [
-      ("junk", junk), ("pages", more_pages)
-  ]}
+  paths = {
+      name: rewrite(saved["full"], tmp_path / name, edit)
+      for name, edit in [("junk", junk), ("pages", more_pages)]
+  }
   restores = Restores(monkeypatch)
   _refused(paths["junk"], model, "unexpected array 'junk'")
   _refused(paths["pages"], model, "array 'k_pages'", "expected float32")

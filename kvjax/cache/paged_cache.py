@@ -289,10 +289,14 @@ def init_cache(
     # which is never evicted, its window (a plan sizes the window's peak by the request,
     # which may be shorter than the window: `CompressionSpec.plan`).
     per_layer = num_sequences // num_layers
-    needed = sum(
-        per_layer * pages_for(min(w, config.max_tokens) if w else config.budget, config.page_size)
-        for w in (config.windows or (0,) * num_layers)
-    ) + 1
+    needed = (
+        sum(
+            per_layer
+            * pages_for(min(w, config.max_tokens) if w else config.budget, config.page_size)
+            for w in (config.windows or (0,) * num_layers)
+        )
+        + 1
+    )
     if num_pages < needed:
       raise ValueError(
           f"num_pages={num_pages} cannot hold budget={config.budget} tokens for each of "

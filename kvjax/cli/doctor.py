@@ -327,7 +327,9 @@ def add_parsers(subparsers) -> None:
   )
   doctor.add_argument("--json", action="store_true", help="print one JSON object")
   doctor.add_argument(
-      "--no-self-check", action="store_true", help="the report only (no self-check: ~3 min on 2 CPU cores with a new cache directory)"
+      "--no-self-check",
+      action="store_true",
+      help="the report only (no self-check: ~3 min on 2 CPU cores with a new cache directory)",
   )
   doctor.set_defaults(func=_doctor)
 

@@ -72,16 +72,18 @@ class Layout:
     for name in ("k_pages", "v_pages"):
       for part, x in page_format.parts(pool).items():
         want[name if part == "values" else f"{name}.{part}"] = (x.shape, np.dtype(x.dtype).name)
-    want.update({
-        "table": ((l, b, h, self.config.max_pages), "int32"),
-        "length": ((l, b, h), "int32"),
-        "status": ((), "int32"),
-        "logits": ((b, self.vocab), "float32"),
-        "position": ((b,), "int32"),
-        "done": ((b,), "bool"),
-        "key": (self.key_shape, "uint32"),
-        "peak_pages": ((), "int32"),
-    })
+    want.update(
+        {
+            "table": ((l, b, h, self.config.max_pages), "int32"),
+            "length": ((l, b, h), "int32"),
+            "status": ((), "int32"),
+            "logits": ((b, self.vocab), "float32"),
+            "position": ((b,), "int32"),
+            "done": ((b,), "bool"),
+            "key": (self.key_shape, "uint32"),
+            "peak_pages": ((), "int32"),
+        }
+    )
     want.update({f"slot.{s.name}": ((self.live, ps), np.dtype(s.dtype).name) for s in self.slots})
     want.update({f"extra.{name}": extra[name] for name in self.extra})
     return want

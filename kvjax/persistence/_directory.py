@@ -52,6 +52,7 @@ def check_target(path: pathlib.Path, overwrite: bool) -> None:
   elif any(not is_ours(p.name) for p in path.iterdir()):
     raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
 
+
 @contextlib.contextmanager
 def locked(path: pathlib.Path):
   """Holds an exclusive `flock` on `path/.lock` (created once, 0600, never removed: removing
@@ -77,10 +78,12 @@ def locked(path: pathlib.Path):
   finally:
     os.close(fd)  # releases the lock
 
+
 def is_ours(name: str) -> bool:
   """Files a state directory may hold: CURRENT (and its temporary), versions, and orbax's
   temporary directories of versions."""
   return _OURS.fullmatch(name) is not None
+
 
 def versions(path: pathlib.Path) -> list[int]:
   return [
@@ -88,6 +91,7 @@ def versions(path: pathlib.Path) -> list[int]:
       for p in path.iterdir()
       if is_ours(p.name) and _VERSION.match(p.name)
   ]
+
 
 def remove_stale(path: pathlib.Path, keep: set) -> None:
   """Removes versions not in `keep` and what interrupted saves left (never other files).
@@ -98,6 +102,7 @@ def remove_stale(path: pathlib.Path, keep: set) -> None:
         shutil.rmtree(p, ignore_errors=True)
       else:
         p.unlink(missing_ok=True)
+
 
 def read_current(path: pathlib.Path, read):
   """`read(version)` of the version CURRENT names. A save keeps the version it replaces, so
@@ -116,11 +121,13 @@ def read_current(path: pathlib.Path, read):
       "version being read; read it when saves are less frequent"
   )
 
+
 def current_version(path: str | os.PathLike) -> pathlib.Path:
   """The directory of the version a state directory's CURRENT names (StateFileError when
   there is none); e.g. to measure what one saved state takes on disk."""
   path = pathlib.Path(path).absolute()
   return version_dir(path, read_pointer(path))
+
 
 def read_pointer(path: pathlib.Path) -> str:
   if not path.is_dir():
@@ -143,12 +150,14 @@ def read_pointer(path: pathlib.Path) -> str:
   except UnicodeDecodeError:
     raise StateFileError(f"{path}: its {CURRENT} file does not name a version") from None
 
+
 def current_name(path: pathlib.Path) -> str | None:
   """What CURRENT holds (stripped), or None where it cannot be read."""
   try:
     return _read_name(path)
   except (OSError, UnicodeDecodeError):
     return None
+
 
 def _read_name(path: pathlib.Path) -> str:
   """CURRENT's text: a regular file (a link is not followed, a FIFO not waited on), of which
@@ -162,8 +171,10 @@ def _read_name(path: pathlib.Path) -> str:
   finally:
     os.close(fd)
 
+
 def _raise(err: OSError):
   raise err
+
 
 def version_dir(path: pathlib.Path, name: str) -> pathlib.Path:
   """The version `name` of state directory `path`: a directory inside it of directories and

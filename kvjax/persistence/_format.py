@@ -32,6 +32,7 @@ class StateFileError(ValueError):
   something a save does not write, or saved for another model, dtype, tokenizer or kvjax
   format. The message names the mismatch (the field, for an edited state)."""
 
+
 def tokenizer_fingerprint(tokenizer) -> str:
   """A digest of how a tokenizer maps text to ids: its serialised form when it has one (a
   Hugging Face `tokenizers` object, as kvjax's `models.Tokenizer` wraps), else the ids of a
@@ -50,6 +51,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
   }
   digest.update(json.dumps(special, sort_keys=True).encode())
   return digest.hexdigest()[:32]
+
 
 def describe(state: State, model, tokenizer, tokens, info) -> dict:
   """The metadata of a state (everything but the arrays)."""
@@ -123,6 +125,7 @@ def describe(state: State, model, tokenizer, tokens, info) -> dict:
       "info": info,
   }
 
+
 def spec_dict(spec: CompressionSpec) -> dict:
   """The spec's fields, with its head allocation by value (offsets and what checks them):
   `to_dict` writes an allocation as its directory, which an allocation made in memory lacks
@@ -141,6 +144,7 @@ def spec_dict(spec: CompressionSpec) -> dict:
     }
   return out
 
+
 def spec_from_dict(saved: dict) -> CompressionSpec:
   fields = dict(saved)
   allocation = fields.get("allocation")
@@ -149,6 +153,7 @@ def spec_from_dict(saved: dict) -> CompressionSpec:
         **{**allocation, "offsets": np.asarray(allocation["offsets"], np.float32)}
     )
   return CompressionSpec(**fields)
+
 
 def live_arrays(state: State) -> dict[str, np.ndarray]:
   """The arrays to write: live pages in page-table order (the table renumbered to match,
@@ -176,19 +181,23 @@ def live_arrays(state: State) -> dict[str, np.ndarray]:
   arrays.update({f"extra.{name}": np.asarray(x) for name, x in cache.extra.items()})
   return arrays
 
+
 def _pool_arrays(name: str, pool) -> dict[str, np.ndarray]:
   """A K or V pool's arrays by name: `name` for floats; `name.codes`, `name.scale` and
   `name.zero` for quantized pages (saved as they are: a state loads as it was saved)."""
   return {_array_name(name, part): x for part, x in page_format.parts(pool).items()}
+
 
 def saved_pool(arrays: dict, name: str, kv_dtype: str, rebuild):
   """The pool `_pool_arrays` saved, each array through `rebuild` (re-laid out to size)."""
   names = page_format.part_names(kv_dtype)
   return page_format.from_parts([rebuild(arrays[_array_name(name, p)]) for p in names], kv_dtype)
 
+
 def _array_name(pool: str, part: str) -> str:
   """A pool's array on disk: a float pool under its own name (as before quantized pages)."""
   return pool if part == "values" else f"{pool}.{part}"
+
 
 def digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
   """SHA-256 of the metadata (without its digest) and of the arrays (`arrays_digest`)."""
@@ -196,8 +205,10 @@ def digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
   text = json.dumps(body, sort_keys=True) + arrays_digest(arrays)
   return hashlib.sha256(text.encode()).hexdigest()
 
+
 def get(meta, key):
   return meta.get(key) if isinstance(meta, dict) else None
+
 
 def short(err: Exception) -> str:
   """An exception as one short line."""

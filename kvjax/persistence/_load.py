@@ -50,6 +50,7 @@ def state_info(path: str | os.PathLike) -> dict:
 
   return read_current(pathlib.Path(path).absolute(), read)
 
+
 def load_state(
     path: str | os.PathLike, model, *, tokenizer=None, kv_dtype: str | None = None
 ) -> State:
@@ -91,6 +92,7 @@ def load_state(
 
   return read_current(pathlib.Path(path).absolute(), read)
 
+
 def read_meta(version: pathlib.Path) -> dict:
   import orbax.checkpoint as ocp
 
@@ -106,6 +108,7 @@ def read_meta(version: pathlib.Path) -> dict:
         f"reads {FORMAT!r}: save the state again with this version"
     )
   return meta
+
 
 def check_compatible(meta: dict, model, tokenizer, version: pathlib.Path) -> None:
   """StateFileError naming the first mismatch between the saved state and this model."""
@@ -140,6 +143,7 @@ def check_compatible(meta: dict, model, tokenizer, version: pathlib.Path) -> Non
   except (KeyError, TypeError) as err:
     raise StateFileError(f"{version}: incomplete metadata ({short(err)})") from None
 
+
 def read_arrays(version: pathlib.Path, meta: dict, layout, extra) -> dict[str, np.ndarray]:
   """The arrays of a version whose metadata is `layout`, checked in three steps: what the
   checkpoint declares (names, shapes, dtypes, from orbax's metadata) against what `layout`
@@ -171,6 +175,7 @@ def read_arrays(version: pathlib.Path, meta: dict, layout, extra) -> dict[str, n
   _checks.check_values(layout, arrays)
   return arrays
 
+
 def saved_spec(meta: dict, version: pathlib.Path) -> CompressionSpec:
   try:
     return spec_from_dict(meta["spec"])
@@ -178,6 +183,7 @@ def saved_spec(meta: dict, version: pathlib.Path) -> CompressionSpec:
     raise StateFileError(
         f"{version}: its CompressionSpec does not load here ({short(err)})"
     ) from None
+
 
 def extra_shapes(spec: CompressionSpec, model, layout) -> dict:
   """The shapes of the policy's state beside the cache that a state of `layout` holds: none
@@ -202,6 +208,7 @@ def extra_shapes(spec: CompressionSpec, model, layout) -> dict:
         f"keeps {sorted(made)}"
     )
   return {name: (tuple(x.shape), np.dtype(x.dtype).name) for name, x in made.items()}
+
 
 def rebuild(meta: dict, arrays: dict[str, np.ndarray], layout, spec: CompressionSpec) -> State:
   """The State of checked metadata and arrays: the pool of the saved size, its live pages

@@ -92,10 +92,7 @@ class Scorer:
   def check_model(self, model) -> None:
     """ValueError unless `model` is the model this scorer was trained for."""
     shape = (model.config.n_layers, model.config.n_kv_heads)
-    if (
-        shape != (self.shape[0], self.shape[2])
-        or model_fingerprint(model) != self.fingerprint
-    ):
+    if shape != (self.shape[0], self.shape[2]) or model_fingerprint(model) != self.fingerprint:
       name = getattr(model.config, "name", type(model).__name__)
       raise ValueError(
           f"the learned scorer was trained for {self.model!r} (fingerprint "

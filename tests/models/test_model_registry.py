@@ -84,9 +84,7 @@ def test_gemma3_names_the_pip_command_when_its_package_is_missing(monkeypatch):
     resolve_model("gemma3-270m")
 
 
-def test_an_assembled_model_is_built_once_privately_and_never_through_a_link(
-    monkeypatch, tmp_path
-):
+def test_an_assembled_model_is_built_once_privately_and_never_through_a_link(monkeypatch, tmp_path):
   """The chunk packages are joined once into the private cache directory (0600, atomic);
   a link planted where the file goes is replaced, never followed."""
   import os
