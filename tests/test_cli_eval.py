@@ -31,6 +31,7 @@ def _run(tmp_path, capsys, *argv):
         pytest.param(["bench"], "decode_ms_per_token", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_every_subcommand_runs_quick_and_writes_its_outputs(tmp_path, capsys, argv, metric):
   code, out = _run(tmp_path, capsys, *argv, "--quick")
   assert code == 0, out.err

@@ -47,6 +47,7 @@ def test_a_stored_step_loads_without_tracing_and_computes_the_same(store, monkey
   assert again.tokens == first.tokens
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_other_weights_reuse_the_step_other_shapes_do_not(store, monkeypatch):
   kvjax.generate(tiny_llama(seed=0), ByteTokenizer(), ["abcdefghij"], SPEC, max_new_tokens=4)
   stored = set(store.glob("*.bin"))

@@ -55,6 +55,7 @@ def test_full_cache_costs_no_eviction(full):
 
 
 @pytest.mark.parametrize("policy", ["h2o", pytest.param("group_history", marks=pytest.mark.slow)])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_budget_holds_fewer_bytes_and_eviction_share_is_a_fraction(tiny, full, policy):
   cost = decode_cost(
       tiny, CONTEXT, kvjax.CompressionSpec(policy, budget=48), decode_steps=24, repeats=1

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 from kvjax import cli
 from kvjax.cli import doctor
@@ -65,6 +66,7 @@ def test_the_full_cache_check_compares_with_dense_attention():
   assert "vs dense attention" in detail
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_sliding_window_check_compares_with_windowed_dense_attention():
   model = tiny_gemma3(window=8, max_context=256, qk_scale=3.0)
   ok, detail = doctor._check_full_cache(model, list(range(3, 60)))
@@ -76,6 +78,7 @@ def test_the_sliding_window_check_compares_with_windowed_dense_attention():
   assert float(np.abs(dense - doctor._dense_logits(model, list(range(3, 60)))).max()) > 1e-2
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_kernel_check_poisons_unused_pages_and_matches():
   ok, detail = doctor._check_kernel()
   assert ok and "interpret mode" in detail, detail

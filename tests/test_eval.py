@@ -47,6 +47,7 @@ def _tiny_model():
   return tiny_llama(vocab_size=64, max_context=256)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_full_cache_fidelity_is_exact_and_compression_is_measured():
   model = _tiny_model()
   rng = np.random.default_rng(0)
@@ -269,6 +270,7 @@ def test_multi_question_counts_every_question_and_a_crashed_context(
     E.multi_question(model, tokenizer, text_ids[:150], **kwargs)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_answer_is_the_greedy_continuation_and_rejects_empty_input(tokenizer, monkeypatch):
   """The answer is the greedy continuation of the chat template's opening, the context, the
   question and the template's closing: with the full cache what `kvjax.generate` gives for
@@ -380,6 +382,7 @@ def test_windowed_fidelity_full_cache_is_exact_and_references_are_reused(
     )
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_crashed_case_is_counted_and_shown_not_skipped(model, tokenizer, text_ids, monkeypatch):
   monkeypatch.setattr(_tasks, "fidelity", _failing_second_call(_tasks.fidelity))
   r = E.windowed_fidelity(
@@ -389,6 +392,7 @@ def test_a_crashed_case_is_counted_and_shown_not_skipped(model, tokenizer, text_
   assert r["kl"] == 0.0  # the mean of the case that ran
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_instruction_retention_full_keeps_all_and_a_budget_loses_some(model, tokenizer, text_ids):
   full = E.instruction_retention(model, tokenizer, text_ids, context_tokens=256)
   assert full["retention"] == 1.0 and full["retained_all"] == 1.0 and full["cases"] == 3
@@ -553,6 +557,7 @@ def test_a_model_without_a_chat_template_reads_a_cued_plain_question():
   assert case["cue"] == _data.DOOR_CUE.format(door=case["door"])
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_chat_model_reads_the_question_in_its_template_without_a_cue():
   tok = Tokenizer.from_gguf(resolve_model().path)
   ids = _answers.encode_question(tok, "What is it?", True, "It is")
@@ -560,6 +565,7 @@ def test_a_chat_model_reads_the_question_in_its_template_without_a_cue():
   assert "What is it?" in text and "It is" not in text and "<|im_start|>assistant" in text
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_text_windows_read_as_documents_begin_with_the_bos_a_tokenizer_adds(monkeypatch):
   class BosTokenizer:
     add_bos, bos_id = True, 1

@@ -228,6 +228,7 @@ def test_chunked_prefill_scores_equal_the_definition_on_the_models_own_queries(s
     np.testing.assert_allclose(scores[:, row, :, :t], want, rtol=1e-4)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_prefill_compresses_unevenly_and_decoding_continues(tiny):
   model, tokenizer = tiny
   c = model.config

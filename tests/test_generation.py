@@ -31,6 +31,7 @@ def test_paris_from_the_default_model(smollm):
   assert stats["peak_kv_bytes"] > 0 and stats["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_batched_ragged_prompts_match_each_prompt_alone(smollm):
   prompts = ["Name three colors.", "The Eiffel Tower is in", "1, 2, 3, 4,"]
   # A small chunk makes rows end their prompts in different prefill chunks.
@@ -145,6 +146,7 @@ def test_cli_generate_json_answers_paris():
         (["generate", ""], "the prompt is empty"),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_cli_bad_input_exits_2_with_one_line(args, message):
   run = _cli(*args)
   assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr

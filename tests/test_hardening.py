@@ -64,6 +64,7 @@ _MIXED = st.text(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(text=_MIXED, step=st.integers(1, 3))
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_streamed_pieces_concatenate_to_the_final_text(tokenizer, text, step):
   ids = tokenizer.encode(text)
   stream = TextStream(tokenizer)
@@ -107,6 +108,7 @@ def test_cli_streams_non_ascii_text_exactly_as_json_gives_it():
 # ---- 2, 3, 10. prompts and text files --------------------------------------------------------
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_prompt_that_is_not_utf8_is_a_clear_error(tokenizer):
   model = tiny_llama()
   with pytest.raises(ValueError, match=r"prompts\[0\] is not valid UTF-8 text: character 3"):
@@ -132,6 +134,7 @@ def test_text_files_must_be_utf8_text(tmp_path, content, message):
     _data.read_text(path)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_eval_refuses_a_binary_text_file_before_loading_the_model(tmp_path):
   run = _kvjax("eval", "fidelity", "--text", "/bin/ls", "--out", str(tmp_path / "out"))
   line = _one_error_line(run)
@@ -156,6 +159,7 @@ def test_prompt_from_stdin_and_from_a_file(tmp_path):
 # ---- 4, 5. output directory and validation before loading ----------------------------------
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_bench_checks_its_output_directory_before_any_work():
   run = _kvjax("bench", "--quick", "--out", "/proc/nope")
   line = _one_error_line(run)
@@ -181,12 +185,14 @@ def test_bench_checks_its_output_directory_before_any_work():
         (["train-scorer", "--steps", "0"], "--steps must be >= 1"),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_argument_errors_come_before_the_model_loads(args, message):
   run = _kvjax(*args)
   assert message in _one_error_line(run)
   assert b"loading" not in run.stderr
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_sweep_saves_each_configuration_as_it_completes(tmp_path):
   model, tok = tiny_llama(max_context=512), ByteTokenizer()
   ids = list(np.random.default_rng(0).integers(3, 250, 2000))

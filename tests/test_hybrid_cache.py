@@ -111,6 +111,7 @@ def test_the_full_cache_holds_the_full_layers_and_a_window_on_the_others(gemma):
         ),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_policies_compress_the_full_layers_and_leave_the_windows(gemma, policy, budget):
   model, tok = gemma
   spec = kvjax.CompressionSpec(policy=policy, budget=budget)
@@ -194,6 +195,7 @@ def test_a_budget_past_the_window_fits_a_pool_sized_by_the_windows():
     kvjax.init_cache(small, num_layers=2, batch_size=1, num_kv_heads=1, head_dim=4, chunk=4)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_running_budget_below_the_window_sizes_the_tables_for_the_window():
   # The sliding layers hold their window of 64 while the full layer keeps 16 tokens: the
   # page tables are as wide as the window's peak, not the budget's.

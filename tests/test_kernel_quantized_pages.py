@@ -85,6 +85,7 @@ def test_kernels_dequantize_like_the_reference(
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_prefill_chunks_read_quantized_blocks_like_floats(kv_dtype):
   """The live-blocks loop (prefill chunks, T > 1) dequantizes block by block: the same
   output and lse as on the float pools; so does the whole-table reference."""
@@ -136,6 +137,7 @@ def test_a_nan_in_a_live_group_reaches_the_output(kv_dtype, where):
         pytest.param("int4", "ragged", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_output_impact_kernel_on_quantized_pages(kv_dtype, length_kind):
   args, floats = problem(16, 3, 64, length_kind, "float32", kv_dtype, "oi")
   out, _, lse = reference(floats)

@@ -172,6 +172,7 @@ class _SecondSpanOnly(policies.KVzip):
 
 
 @pytest.mark.parametrize("lookback", [0, 32])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_chunk_pass_scores_only_the_sink_page_and_its_own_stretch(tiny, lookback):
   model, tokenizer = tiny
   long, short = tokenizer.encode(CONTEXT)[:200], tokenizer.encode(CONTEXT)[:50]
@@ -286,6 +287,7 @@ def test_kvzip_plus_compresses_and_refuses_a_model_without_the_projection(tiny):
     spec.policy.check_model(NoProjection(model))
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_chunk_reconstruction_scores_a_context_that_fills_the_model(tiny):
   """Each pass follows its own span, so a context the length of the model's window is
   scored; repeating it after the whole context would leave no room."""

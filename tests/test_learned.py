@@ -201,6 +201,7 @@ def test_train_scorer_command_checks_its_options_before_loading(capsys):
     ["h2o", pytest.param("h2o_mean", marks=pytest.mark.slow), "snapkv"]
     + [pytest.param("knorm", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_any_token_policy_can_compress_once_with_a_global_budget(name):
   model, tokenizer = tiny_llama(max_context=1024, n_layers=2, qk_scale=20.0), ByteTokenizer()
   ids = tokenizer.encode(TEXT[:600])
@@ -273,6 +274,7 @@ def test_a_scorer_with_non_finite_weights_is_refused_on_load(tmp_path, bad):
     kvjax.CompressionSpec(policy="learned", budget=0.25, scorer=str(path))
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_scorer_trains_on_a_model_with_sliding_layers(tmp_path):
   """Gemma 3's pattern: the scorer learns the full layers' kvzip ranking from the hidden
   states the model really has (its sliding layers attend within their windows: the scores

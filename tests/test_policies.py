@@ -339,6 +339,7 @@ def test_output_impact_sums_query_heads_of_a_kv_head():
         ),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_output_impact_through_the_kernel_dispatcher_matches_head_probs(t, impl, policy):
   """The model's path (the dispatcher on q, K, V and the attention's lse) agrees with the
   jnp specification on per-query-head probabilities, padded rows and short rows included."""
@@ -523,6 +524,7 @@ def _all_kept(cache):
 # What survives is eviction's rule, not a scorer's: one running, one query-free, one
 # compress-once policy by default.
 @pytest.mark.parametrize("name", _by_model(ANY_MODEL, default={"h2o", "knorm", "kvzip"}))
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_sink_recent_and_protected_tokens_survive_prefill(tiny, name):
   model, tokenizer = tiny
   _, cache, _ = _prefill(model, tokenizer, [PROMPT], name, BUDGET)
@@ -619,6 +621,7 @@ def test_layer_budgets_reject_an_unknown_schedule():
     budgets.layer_budgets(16, 4, "linear", 1, 4)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_pyramid_holds_about_the_uniform_pages_and_fewer_than_its_largest_layer(tiny):
   model, tokenizer = tiny
   c = model.config
@@ -638,6 +641,7 @@ def test_pyramid_holds_about_the_uniform_pages_and_fewer_than_its_largest_layer(
   assert pyramid.num_pages < largest.num_pages  # the pool is sized from the layer budgets
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_per_head_split_follows_the_scores_across_heads():
   cache = _cache(TOKEN_CFG, heads=2)
   probs = np.zeros((2, 1, 32), np.float32)
@@ -859,6 +863,7 @@ def test_a_policy_declaration_outside_the_known_values_is_refused():
         ),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_policy_without_probabilities_keeps_what_it_kept_with_them(name):
   """The attention path that skips the probabilities (live pages only) changes nothing but
   float order: the same tokens kept, the same logits to 1e-5."""

@@ -49,6 +49,7 @@ def test_a_plain_read_counts_its_tokens_chunk_by_chunk(tiny):
   assert calls == [(min(end, n), n) for end in range(64, n + 64, 64)]
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_kvzip_counts_the_read_then_every_reconstruction_pass(tiny):
   """Two rows: the longest is read, then repeated in passes of 64 tokens after the
   reconstruction prompt; the total counts all of it, up front."""

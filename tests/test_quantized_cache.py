@@ -67,6 +67,7 @@ def test_page_and_kv_bytes_include_the_scales(kv_dtype):
         pytest.param("int4", 4, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_eviction_moves_codes_and_scales_with_their_tokens(kv_dtype, group_size):
   """The same eviction on a float32 and a quantized cache keeps the same tokens, and the
   quantized cache's kept values are exactly their first encoding: scales travelled with

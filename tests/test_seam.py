@@ -58,6 +58,7 @@ def test_custom_model_generates_the_same_tokens_through_the_seam_as_with_its_own
     "name, args",
     [pytest.param("custom_model", [], marks=pytest.mark.slow), ("custom_policy", ["--tiny"])],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_examples_run(name, args):
   run = subprocess.run(
       [sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],

@@ -51,6 +51,7 @@ def test_prefill_decode_extend_decode_fork_agree_with_one_uncompressed_run(tiny)
   assert again.tokens == second_a.tokens
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_forks_sample_independently_and_are_independent_copies(tiny):
   model, tokenizer = tiny
   spec = kvjax.CompressionSpec(policy="h2o", budget=48, sink=2, recent=8)
@@ -107,6 +108,7 @@ def test_state_is_a_pytree_that_jit_accepts_and_returns(tiny):
   assert a.tokens == b.tokens and len(a.tokens[0]) == 3
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_teacher_forced_decode_returns_the_logits_of_each_token(tiny):
   model, tokenizer = tiny
   state = kvjax.prefill(model, [CONTEXT], tokenizer=tokenizer)

@@ -170,6 +170,7 @@ def test_the_eviction_margin_grows_with_the_budget():
   assert kvjax.CacheConfig(page_size=16, max_tokens=2048, budget=1024).threshold == 1088
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_running_policy_evicts_once_per_margin_of_new_tokens():
   """At budget 512 (page 16) a sequence grows to 544 tokens before eviction brings it back
   to 512: one event per 33 new tokens, not per 17."""

@@ -66,6 +66,7 @@ def sharded_runs():
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_sharded_generation_matches_one_device(sharded_runs, case):
   run = sharded_runs(case)
   assert run["same_tokens"], run
@@ -220,6 +221,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_two_processes_agree_with_one():
   """jax.distributed on localhost: 2 processes x 2 CPU devices run one generation sharded
   over a (2, 2) mesh; every process gets the tokens one device makes. In the default suite

@@ -243,6 +243,7 @@ def test_numbers_out_of_range_are_refused_before_the_model_loads(argv, message, 
   assert message in line, line
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_api_refuses_a_seed_or_top_k_out_of_range(tiny):
   model, tokenizer = tiny
   with pytest.raises(ValueError, match=r"top_k must be an int >= 0 \(0 = off\) and <= 2147483647"):

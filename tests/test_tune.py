@@ -112,6 +112,7 @@ def test_running_policies_are_measured_against_the_same_predictions(model, token
   assert tight.kl_items[0] == pytest.approx(expected["kl"], rel=2e-3)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_an_allocation_moves_memory_between_heads(model, calibration):
   spec = kvjax.CompressionSpec(policy="kvzip", budget=0.3)
   sel = np.arange(2)
@@ -156,6 +157,7 @@ def test_the_relaxed_loss_has_a_finite_nonzero_gradient(model, calibration):
   assert float(grads.sum()) == pytest.approx(0.0, abs=1e-6)  # only differences matter
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_learning_lowers_the_relaxed_loss(model, calibration):
   spec = kvjax.CompressionSpec(policy="kvzip", budget=0.2)
   allocation = _search.learn_allocation(model, calibration, spec, steps=12, l2=0.0)
@@ -275,6 +277,7 @@ def tune_target_met(result, point):
   return result.target.meets(point)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_memory_target_is_respected_in_whole_pages(model, tokenizer, tmp_path):
   """The pages each head's kept tokens round up to count: the chosen setting holds at most
   the target on every tuning and held-out item, measured by the real pipeline."""
@@ -341,6 +344,7 @@ def _tuned_file(tmp_path, model, **changes):
   return path
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_tuned_spec_file_loads_with_its_allocation(model, tmp_path):
   spec = load_spec(_tuned_file(tmp_path, model), model)
   assert spec.policy.name == "kvzip" and spec.budget == 0.25
@@ -499,6 +503,7 @@ def hybrid_calibration(hybrid, tokenizer):
   return _search.calibrate(hybrid, tokenizer, items, ["kvzip"])
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_full_cache_reference_of_a_hybrid_model_is_the_model_itself(hybrid, hybrid_calibration):
   """The teacher's sliding layers see only their windows: its predictions are the real
   full cache's (kvjax.eval, whose paged attention masks the window), and not those of
@@ -519,6 +524,7 @@ def test_the_full_cache_reference_of_a_hybrid_model_is_the_model_itself(hybrid, 
 
 
 @pytest.mark.parametrize("allocated", [False, True])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_hard_evaluation_of_a_hybrid_model_equals_the_real_pipeline(
     hybrid, tokenizer, hybrid_calibration, allocated
 ):
@@ -543,6 +549,7 @@ def test_hard_evaluation_of_a_hybrid_model_equals_the_real_pipeline(
 
 
 @pytest.mark.parametrize("sharing", ["global", "layer", "uniform"])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_hybrid_masks_spend_the_budget_on_the_full_layers_only(hybrid_calibration, sharing):
   """Hard and soft masks keep the budget's count over the full layers (the soft one in
   expectation) and everything on a sliding layer, whose window does the rest."""

@@ -35,6 +35,7 @@ def _run(env, *argv):
   )
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_warmed_store_serves_the_first_requests_of_a_new_process(tmp_path):
   import json
 

@@ -118,6 +118,7 @@ def prompt_ids(smollm2):
   return np.asarray(ids[:PROMPT_LEN], np.int32)[None]
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_smollm2_prefill_logits_match_transformers(smollm2, prompt_ids):
   config, _, forward, ref = smollm2
   cache = kvjax.init_cache(

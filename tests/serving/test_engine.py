@@ -125,6 +125,7 @@ def test_a_full_queue_refuses_and_a_cancel_frees_the_row(model):
   assert engine.stats()["cancelled"] == 1 and engine.stats()["pages_reserved"] == 0
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_running_budget_admits_more_requests_into_the_same_memory(model):
   pages = 160  # full cache: 76 pages a request; h2o at 16 tokens: 16
   prompt = "the quick brown fox jumps over the lazy dog " * 2

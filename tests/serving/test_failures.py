@@ -8,13 +8,12 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 import kvjax
-from kvjax.testing import ByteTokenizer, start_server, tiny_hf_checkpoint, tiny_llama
+from kvjax.testing import ByteTokenizer, idle_metrics, start_server, tiny_hf_checkpoint, tiny_llama
 
 MODEL = "ckpt"
 
@@ -33,17 +32,6 @@ def _stop(proc):
 def _complete(url, prompt, max_tokens=4, timeout=120, **extra):
   body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
   return httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=timeout)
-
-
-def _idle(url, seconds=60):
-  """/metrics once no row is in use and no request waits (or after `seconds`)."""
-  deadline = time.monotonic() + seconds
-  while True:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    idle = "kvjax_rows_in_use 0" in metrics and "kvjax_queue_depth 0" in metrics
-    if idle or time.monotonic() > deadline:
-      return metrics
-    time.sleep(0.2)
 
 
 @pytest.mark.slow  # a server of its own: about 30 s on 2 busy cores
@@ -69,7 +57,7 @@ def test_a_request_over_the_servers_budget_in_a_full_pool_breaks_no_later_reques
       assert r.status_code == 200, r.text
       assert r.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    metrics = _idle(url)
+    metrics = idle_metrics(url)
     assert "kvjax_kv_bytes_reserved 0" in metrics, metrics
   finally:
     _stop(proc)
@@ -122,7 +110,7 @@ def test_a_request_whose_round_raises_fails_alone_and_the_server_goes_on(checkpo
       events = [line for line in stream.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and "past 1024 tokens" in events[-2], events
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    metrics = _idle(url)
+    metrics = idle_metrics(url)
     assert 'kvjax_requests_total{endpoint="/v1/completions",status="500"} 3' in metrics
     assert "kvjax_kv_bytes_reserved 0" in metrics and "kvjax_engine_up 1" in metrics, metrics
   finally:

@@ -3,13 +3,12 @@ model, talked to with the official `openai` client and `httpx`. Every loop is bo
 
 import json
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 
-from kvjax.testing import start_server
+from kvjax.testing import idle_metrics, start_server
 
 MODEL = "smollm2-135m-instruct"
 KEYS = ("sk-alice-0123456789", "sk-bob-9876543210")
@@ -177,22 +176,11 @@ def test_keys_unknown_models_and_a_full_queue(server):
   assert limited.headers["retry-after"] == "1"
 
 
-def _idle(url, seconds=60):
-  """/metrics once no row is in use and no request waits (or after `seconds`)."""
-  deadline = time.monotonic() + seconds
-  while True:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    idle = "kvjax_rows_in_use 0" in metrics and "kvjax_queue_depth 0" in metrics
-    if idle or time.monotonic() > deadline:
-      return metrics
-    time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_disconnects_free_their_rows(server):
   url, _ = server
   headers = {"Authorization": f"Bearer {KEYS[0]}"}
-  _idle(url)  # what earlier tests left behind
+  idle_metrics(url)  # what earlier tests left behind
   for _ in range(3):
     with httpx.stream(
         "POST",
@@ -203,7 +191,7 @@ def test_disconnects_free_their_rows(server):
     ) as r:
       lines = r.iter_lines()
       assert next(lines).startswith("data: ")
-  metrics = _idle(url, 30)
+  metrics = idle_metrics(url, 30)
   assert "kvjax_rows_in_use 0" in metrics and "kvjax_kv_bytes_reserved 0" in metrics
 
 
@@ -233,6 +221,7 @@ DOCUMENT = (
 ) * 6
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_context_compressed_once_answers_its_tenant_only(server):
   url, _ = server
   alice, bob = ({"Authorization": f"Bearer {key}"} for key in KEYS)
