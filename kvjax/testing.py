@@ -15,6 +15,7 @@ __all__ = [
     "assert_cache_invariants",
     "assert_compressed_once",
     "counting_traces",
+    "idle_metrics",
     "start_server",
     "tiny_gemma3",
     "tiny_hf_checkpoint",
@@ -274,16 +275,18 @@ def start_server(flags, log_path, timeout: float = 300.0):
   raise RuntimeError(f"kvjax serve did not listen within {timeout:g} s")
 
 
-def idle_metrics(url: str, seconds: float = 60.0) -> str:
+def idle_metrics(url: str, seconds: float = 60.0, key: str | None = None) -> str:
   """A server's /metrics text once no row is in use and no request waits, or after
-  `seconds` (bounded: the caller asserts on what it reads)."""
+  `seconds` (bounded: the caller asserts on what it reads); `key`: an API key of a server
+  that has keys (its /metrics takes one)."""
   import time
 
   import httpx
 
+  headers = {} if key is None else {"Authorization": f"Bearer {key}"}
   deadline = time.monotonic() + seconds
   while True:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     idle = "kvjax_rows_in_use 0" in metrics and "kvjax_queue_depth 0" in metrics
     if idle or time.monotonic() > deadline:
       return metrics

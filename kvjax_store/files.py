@@ -11,10 +11,11 @@ it expects before a byte is restored."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import hashlib
 import errno
 import glob
+import hashlib
 import os
 import pathlib
 import shutil
@@ -23,6 +24,11 @@ import tempfile
 import time
 
 import numpy as np
+
+try:  # POSIX; elsewhere a lock is not taken
+  import fcntl
+except ImportError:  # pragma: no cover
+  fcntl = None
 
 __all__ = [
     "ArraysMismatch",
@@ -336,3 +342,34 @@ def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
     digest.update(f"{name}:{x.dtype.name}:{x.shape};".encode())
     digest.update(x.reshape(-1).view(np.uint8).data)  # any dtype (bfloat16 too), no copy
   return digest.hexdigest()
+
+
+LOCK = ".lock"  # the lock file `locked` holds in a directory
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike):
+  """Holds an exclusive `flock` on `path/.lock` (created once, 0600, never removed: removing
+  it would let two processes lock two different files). The kernel releases it when the
+  process dies, so a killed save never blocks the next one. A `.lock` that is a symbolic
+  link is refused, never followed (O_NOFOLLOW): it would create or lock a file elsewhere.
+  A saved state's directory and a tenant's contexts are locked with it."""
+  path = pathlib.Path(path)
+  nofollow = getattr(os, "O_NOFOLLOW", 0)
+  try:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | nofollow, 0o600)
+  except OSError as err:
+    if err.errno != errno.ELOOP:
+      raise
+    raise FileExistsError(
+        f"{path / LOCK} is a symbolic link; a directory's lock is a plain file "
+        "(remove the link)"
+    ) from None
+  try:
+    with contextlib.suppress(OSError):  # one an older kvjax made 0644; another user's: theirs
+      os.fchmod(fd, 0o600)
+    if fcntl is not None:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock

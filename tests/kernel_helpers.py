@@ -123,16 +123,14 @@ def full_product():
 
 
 def default_subset():
-  """A covering subset of the product that interpret mode runs quickly: each page size with
-  two groups, each group with two page sizes, every head dim, length kind, dtype and
-  pages_per_block (the whole product runs under -m slow)."""
+  """A covering subset of the product that interpret mode runs quickly: every page size,
+  group, head dim, length kind and dtype at least once (the whole product runs under
+  -m slow)."""
   picks = [
       (8, 1, 64, "ragged", "float32"),
-      (8, 3, 128, "boundary", "bfloat16"),
-      (16, 3, 64, "full", "bfloat16"),
+      (16, 3, 128, "boundary", "bfloat16"),
       (16, 8, 128, "one", "float32"),
-      (64, 1, 128, "full", "float32"),
-      (64, 8, 64, "boundary", "bfloat16"),
+      (64, 8, 64, "full", "bfloat16"),
   ]
   return [c for c in full_product() if c[:5] in picks]
 

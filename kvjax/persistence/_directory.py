@@ -4,7 +4,6 @@ take, and reads that follow CURRENT while saves replace it (the layout is in
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import pathlib
@@ -13,14 +12,9 @@ import shutil
 import stat
 
 from kvjax.persistence._format import StateFileError
-
-try:
-  import fcntl
-except ImportError:  # not POSIX (Windows): saves into one directory must not overlap there
-  fcntl = None
+from kvjax_store.files import LOCK
 
 CURRENT = "CURRENT"  # the file naming the current version
-LOCK = ".lock"
 _VERSION = re.compile(r"v(\d+)")
 # What a state directory may hold: CURRENT, its temporaries (`_files.write_bytes` names them
 # `.CURRENT.<random>`; older kvjax wrote `CURRENT.tmp-<pid>`), the lock, versions, and
@@ -51,32 +45,6 @@ def check_target(path: pathlib.Path, overwrite: bool) -> None:
       raise FileExistsError(f"{path} holds a saved state; pass overwrite=True to replace it")
   elif any(not is_ours(p.name) for p in path.iterdir()):
     raise FileExistsError(f"{path} is a directory of other files, not a kvjax state")
-
-
-@contextlib.contextmanager
-def locked(path: pathlib.Path):
-  """Holds an exclusive `flock` on `path/.lock` (created once, 0600, never removed: removing
-  it would let two processes lock two different files). The kernel releases it when the
-  process dies, so a killed save never blocks the next one. A `.lock` that is a symbolic
-  link is refused, never followed (O_NOFOLLOW): it would create or lock a file elsewhere."""
-  nofollow = getattr(os, "O_NOFOLLOW", 0)
-  try:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | nofollow, 0o600)
-  except OSError as err:
-    if err.errno != errno.ELOOP:
-      raise
-    raise FileExistsError(
-        f"{path / LOCK} is a symbolic link; a state directory's lock is a plain file "
-        "(remove the link)"
-    ) from None
-  try:
-    with contextlib.suppress(OSError):  # one an older kvjax made 0644; another user's: theirs
-      os.fchmod(fd, 0o600)
-    if fcntl is not None:
-      fcntl.flock(fd, fcntl.LOCK_EX)
-    yield
-  finally:
-    os.close(fd)  # releases the lock
 
 
 def is_ours(name: str) -> bool:

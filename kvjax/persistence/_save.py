@@ -9,16 +9,16 @@ import pathlib
 
 from kvjax.cache import pages
 from kvjax.persistence._directory import (
-    CURRENT,
-    check_target,
-    current_name,
-    locked,
-    remove_stale,
-    versions,
+  CURRENT,
+  check_target,
+  current_name,
+  remove_stale,
+  versions,
 )
 from kvjax.persistence._format import describe, digest, live_arrays
 from kvjax.runtime.state import State
 from kvjax_store import files
+from kvjax_store.files import locked
 
 
 def save_state(

@@ -81,7 +81,11 @@ def _stochastic(logits, key, temperature, top_k, top_p) -> Int[Array, " B"]:
   # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
   keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
   cutoff = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)  # [B, 1]
-  return jax.random.categorical(key, jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+  kept = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+  if key.ndim == 0:
+    return jax.random.categorical(key, kept, axis=-1)
+  # One key per row (a served batch's requests, each from its own seed).
+  return jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, kept)
 
 
 def sample(logits: Float[Array, "B V"], key, temperature, top_k, top_p) -> Int[Array, " B"]:
@@ -101,7 +105,8 @@ def sample_rows(
     top_p: Float[Array, " B"],
 ) -> Int[Array, " B"]:
   """`sample` with every row's own values (requests of a served batch): a row at
-  temperature 0 takes its likeliest token; the sampler runs only if some row samples."""
+  temperature 0 takes its likeliest token; the sampler runs only if some row samples.
+  `key`: one key for the batch, or one per row ([B]: a row's draws depend on its key only)."""
   greedy = greedy_token(logits)
 
   def stochastic(logits):

@@ -13,6 +13,8 @@ go: the rows, the pool and the step count are fixed when the batch is made.
                  `NEVER` (the row keeps what it holds: the full cache, or a context its own
                  policy compressed once)
     temperature, top_k, top_p   [S] each row's sampling values (`sample_rows`)
+    keys         [S, ...] each row's sampling key (its raw key data): from its request's
+                 seed, so a row draws the same tokens whatever its neighbours
     pages        [S] the most pages the row may hold (its request's reservation): a step
                  that would take it past them stops it instead (`Stepped.short`)
     failed       [S] the row failed (non-finite logits, or short of pages): it stops, the
@@ -56,6 +58,7 @@ class Batch:
   temperature: Float[Array, " S"]
   top_k: Int[Array, " S"]
   top_p: Float[Array, " S"]
+  keys: Array  # [S, *key_shape] uint32: each row's sampling key data
   pages: Int[Array, " S"]
   failed: Bool[Array, " S"]
   stops: Bool[Array, " S"]  # the row ends at a stop token (off: it runs to its limit)
@@ -108,6 +111,7 @@ def empty_batch(model, plan: CachePlan, rows: int, num_pages: int, max_tokens: i
       temperature=put(np.zeros((rows,), np.float32)),
       top_k=put(np.zeros((rows,), np.int32)),
       top_p=put(np.ones((rows,), np.float32)),
+      keys=put(np.zeros((rows, *_key_data(0).shape), np.uint32)),
       pages=put(np.zeros((rows,), np.int32)),
       failed=put(np.zeros((rows,), bool)),
       stops=put(np.ones((rows,), bool)),
@@ -124,11 +128,13 @@ def insert(
     sampling,
     stops=True,
     pages: int | None = None,
+    seed: int = 0,
 ):
   """`batch` with `request` (a prefilled state of one row) in free row `row`, to generate up
   to `max_tokens` tokens with its running `budget` (`NEVER`: keep all) and `sampling` (a
   `kvjax.Sampling`), ending at a stop token unless not `stops`, holding at most `pages`
-  pages (None: no limit but the pool's). Host-side checks, then one compiled program per
+  pages (None: no limit but the pool's), sampling from its own key made from `seed`.
+  Host-side checks, then one compiled program per
   request cache shape. When the pool cannot hold the request's pages, nothing is inserted
   and the cache's status says so (`check_status`): the row stays free."""
   check_insertable(batch.state.cache, request.cache)
@@ -143,6 +149,7 @@ def insert(
       np.float32(sampling.top_p),
       np.bool_(stops),
       np.int32(NEVER if pages is None else pages),
+      _key_data(seed),
   )
   source = _as_source(request.cache, batch.state.cache)
   return _insert(batch, source, request.logits, request.position, *map(jax.device_put, values))
@@ -180,6 +187,7 @@ def _insert(
     top_p,
     stops,
     pages,
+    key,
 ):
   s = batch.state
   cache = insert_row(_clear_append_status(s.cache), row, source)
@@ -200,9 +208,15 @@ def _insert(
       top_k=batch.top_k.at[row].set(top_k),
       top_p=batch.top_p.at[row].set(top_p),
       pages=batch.pages.at[row].set(pages),
+      keys=batch.keys.at[row].set(key),
       failed=batch.failed.at[row].set(False),
       stops=batch.stops.at[row].set(stops),
   )
+
+
+def _key_data(seed: int) -> np.ndarray:
+  """The raw data of the key `seed` makes (a row's sampling key travels as it)."""
+  return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
 # An append the pool could not take (no free page, or past a sequence's table): dropped.
@@ -291,6 +305,7 @@ _ROW_FIELDS = (
     "temperature",
     "top_k",
     "top_p",
+    "keys",
     "pages",
     "failed",
     "stops",
@@ -381,8 +396,10 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
   def body(carry):
     b, out, step = carry
     s = b.state
-    key, sub, evict_key = jax.random.split(s.key, 3)
-    token = sample_rows(s.logits, sub, b.temperature, b.top_k, b.top_p)
+    key, evict_key = jax.random.split(s.key)
+    # Each row draws from its own key: its tokens depend on its seed, not its neighbours.
+    keys = jax.vmap(jax.random.split)(jax.random.wrap_key_data(b.keys))  # [S, 2]
+    token = sample_rows(s.logits, keys[:, 1], b.temperature, b.top_k, b.top_p)
     going = live(b)
     stop = going & b.stops & jnp.isin(token, stop_tokens)
     # A row whose append would take it past its pages stops before it (its reservation was
@@ -409,7 +426,12 @@ def _run(params, batch: Batch, stop_tokens, limit, graphdef, steps: int) -> tupl
         key=key,
         peak_pages=jnp.maximum(s.peak_pages, held),
     )
-    b = b.replace(state=state, remaining=b.remaining - emit, failed=b.failed | bad | short)
+    b = b.replace(
+        state=state,
+        remaining=b.remaining - emit,
+        failed=b.failed | bad | short,
+        keys=jax.random.key_data(keys[:, 0]),
+    )
     out = out.replace(
         tokens=tokens,
         count=out.count + emit,

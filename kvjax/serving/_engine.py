@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -115,7 +116,9 @@ class Request:
   max_tokens: int
   emit: Callable[[tuple], None]
   sampling: Sampling = dataclasses.field(default_factory=Sampling)
-  seed: int = 0
+  # Its sampling key's seed (and its prompt's, for a policy that draws): the same seed and
+  # request give the same tokens whatever else the batch decodes. None: a fresh one.
+  seed: int | None = None
   # A compressed context (a one-row `State`, e.g. from `ContextStore.load`) the prompt
   # continues: the prompt is appended to it (`kvjax.extend`), with its own compression.
   context: object = None
@@ -436,7 +439,7 @@ class Engine:
     if request.context is not None:
       return extend(self.model, request.context, encoded, tokenizer=self.tokenizer)
     return prefill(
-        self.model, encoded, request.spec, tokenizer=self.tokenizer, reserve=0, seed=request.seed
+        self.model, encoded, request.spec, tokenizer=self.tokenizer, reserve=0, seed=request.seed or 0
     )
 
   def _start(self, request: Request, row: int) -> None:
@@ -462,6 +465,7 @@ class Engine:
           sampling=request.sampling,
           stops=request.stops,
           pages=request.reserved,
+          seed=secrets.randbits(32) if request.seed is None else request.seed,
       )
       check_status(self.batch.state.cache)  # the insert's own (it starts with a clear one)
     except Exception as err:  # noqa: BLE001 - one request fails alone

@@ -503,3 +503,32 @@ def test_a_server_whose_policy_compresses_once_serves_its_requests(model, server
   assert c.tokens == _alone(model, prompt, spec, 6, tokenizer=TOK) and request.kept_share < 1
   engine.stop()
   _idle_and_whole(engine)
+
+
+def test_a_seed_gives_a_row_the_same_tokens_whatever_its_neighbours(model):
+  spec = kvjax.CompressionSpec(page_size=8)
+  engine = _engine(model, spec, pages=60)
+  hot = kvjax.Sampling(temperature=1.0)
+
+  def run(seeds):
+    """The tokens of one request per seed (None: the engine draws one), decoded together."""
+    jobs = []
+    for seed in seeds:
+      job = Request(TOK.encode("sample me "), spec, 12, Collector(), sampling=hot, seed=seed)
+      job.stops = False
+      jobs.append(job)
+      engine.submit(job)
+    for job in jobs:
+      assert job.emit.finished.wait(120), "bounded: the engine answers"
+    return [tuple(job.emit.tokens) for job in jobs]
+
+  try:
+    alone = run([7])[0]
+    together = run([3, 7, None, 7])
+    assert together[1] == together[3] == alone  # seed 7, beside other rows or alone
+    assert together[0] != alone  # another seed draws other tokens
+    unseeded = run([None, None])
+    assert unseeded[0] != unseeded[1]  # no seed: a fresh one each, as OpenAI's API
+  finally:
+    engine.stop()
+  _idle_and_whole(engine)
