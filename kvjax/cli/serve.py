@@ -42,20 +42,41 @@ def parse_bytes(text: str, flag: str) -> int:
 
 
 def read_api_keys(path: str) -> set[str]:
-  """One key per line (blank lines and # comments skipped); each key its own tenant."""
+  """One key per line (blank lines and # comments skipped); each key its own tenant, one word
+  of printable ASCII (what an Authorization header carries). A UTF-8 byte order mark at the
+  start is not part of the first key."""
   from kvjax.eval import _data
 
   keys = set()
-  for n, line in enumerate(_data.read_text(path).splitlines(), 1):
+  text = _data.read_text(path).removeprefix("\ufeff")  # as utf-8-sig reads it
+  for n, line in enumerate(text.splitlines(), 1):
     line = line.strip()
     if not line or line.startswith("#"):
       continue
-    if len(line) < 8 or any(c.isspace() for c in line):
-      raise ValueError(f"{path}:{n}: an API key is one word of at least 8 characters")
+    if len(line) < 8 or not all("!" <= c <= "~" for c in line):
+      raise ValueError(
+          f"{path}:{n}: an API key is one word of at least 8 characters, printable ASCII"
+      )
     keys.add(line)
   if not keys:
     raise ValueError(f"{path}: no API key in the file")
   return keys
+
+
+def allowed_hosts(flag: str | None, host: str) -> set[str] | None:
+  """The Host header's names the server answers (None: any): the loopback names and the
+  bound `host`, and those of `--allowed-hosts` (comma-separated; `*`: any). Bound to every
+  address (0.0.0.0, ::), it cannot know its names: any, unless the flag lists them."""
+  from kvjax.serving._guards import LOOPBACK_NAMES, host_name
+
+  given = [] if flag is None else [h.strip() for h in flag.split(",")]
+  if "*" in given:
+    return None
+  if any(not h or not all("!" <= c <= "~" for c in h) for h in given):
+    raise ValueError(f"--allowed-hosts takes host names separated by commas, got {flag!r}")
+  if not given and host.strip("[]") in ("0.0.0.0", "::", ""):
+    return None
+  return {*LOOPBACK_NAMES, host_name(host), *map(host_name, given)}
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -79,6 +100,23 @@ def _size(n: int) -> str:
     if n >= scale:
       return f"{n / scale:.4g}{unit}"
   return f"{n}B"
+
+
+def _keyless_warning(keys, host: str, allowed: bool) -> str | None:
+  """The warning a server without keys logs (None: it has keys); a ValueError where other
+  machines would reach it and `--allow-no-keys` was not given."""
+  from kvjax.serving._guards import is_loopback
+
+  if keys is not None:
+    return None
+  if is_loopback(host):
+    return "no --api-keys: any process on this machine can use this server"
+  if not allowed:
+    raise ValueError(
+        f"--host {host} is reached from other machines: give --api-keys FILE, or "
+        "--allow-no-keys to let anyone who reaches it use it"
+    )
+  return f"no --api-keys and --allow-no-keys: anyone who reaches {host} can use this server"
 
 
 def _check_servable(spec) -> None:
@@ -125,6 +163,30 @@ def add_parsers(subparsers) -> None:
       "--api-keys", default=None, help="a file of API keys, one per line, each its own tenant"
   )
   serve.add_argument(
+      "--allow-no-keys",
+      action="store_true",
+      help="serve without --api-keys on a --host other machines reach (anyone may use it)",
+  )
+  serve.add_argument(
+      "--allowed-hosts",
+      default=None,
+      help="Host header names the server answers, comma-separated, besides the loopback names "
+      "and --host (default: those; any when --host is 0.0.0.0 or ::; *: any). Others get a "
+      "400: a web page cannot reach a local server by rebinding its DNS name",
+  )
+  serve.add_argument(
+      "--max-body",
+      default="4MiB",
+      help="bytes of a request body at most; past it, 413 (default: 4MiB)",
+  )
+  serve.add_argument(
+      "--timeout-idle",
+      type=float,
+      default=30.0,
+      help="seconds a client has to send a request's headers, and may pause while it sends a "
+      "body, before its connection is closed (default: 30)",
+  )
+  serve.add_argument(
       "--contexts",
       default=None,
       help="directory of compressed contexts (POST /v1/contexts), one private folder per "
@@ -157,27 +219,34 @@ def add_parsers(subparsers) -> None:
 def _serve(args) -> int:
   from kvjax.runtime.sampling import TEMPERATURE_MAX
   from kvjax.serving import Engine, EngineConfig
-  from kvjax.serving._contexts import ContextStore
+  from kvjax.serving._contexts import ContextStore, check_ttl
   from kvjax.serving.http import make_app, serve
 
   spec = spec_from_args(args)
   _check_servable(spec)
   kv_memory = parse_bytes(args.kv_memory, "--kv-memory")
   quota = parse_bytes(args.context_quota, "--context-quota")
-  if not args.context_ttl > 0:
-    raise ValueError(f"--context-ttl must be > 0 seconds, got {args.context_ttl}")
+  check_ttl(args.context_ttl, "--context-ttl")
   if not 0 <= args.port <= 65535:
     raise ValueError(f"--port must be in [0, 65535], got {args.port}")
   temperature = 1.0 if args.temperature is None else args.temperature
   if not 0 <= temperature <= TEMPERATURE_MAX:  # NaN fails too
     raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
   keys = read_api_keys(args.api_keys) if args.api_keys is not None else None
+  keyless = _keyless_warning(keys, args.host, args.allow_no_keys)
+  hosts = allowed_hosts(args.allowed_hosts, args.host)
+  max_body = parse_bytes(args.max_body, "--max-body")
+  if not 0 < args.timeout_idle < float("inf"):  # NaN fails too
+    raise ValueError(
+        f"--timeout-idle must be a finite number of seconds > 0, got {args.timeout_idle}"
+    )
   config = EngineConfig(
       rows=args.rows, kv_memory=kv_memory, max_tokens=args.max_tokens, queue=args.queue
   )
   model, tokenizer = common.load_model(args.model)
   check_spec_model(args, model, spec)
   engine = Engine(model, tokenizer, spec, config)
+  name = os.path.basename(os.fspath(args.model)).removesuffix(".gguf")
   contexts = None
   directory = args.contexts
   if directory is None:
@@ -185,13 +254,22 @@ def _serve(args) -> int:
 
     directory = private_dir("contexts")
   if directory is not None:
-    contexts = ContextStore(directory, model, tokenizer, ttl=args.context_ttl, quota=quota)
-  name = os.path.basename(os.fspath(args.model)).removesuffix(".gguf")
+    contexts = ContextStore(
+        directory, model, tokenizer, ttl=args.context_ttl, quota=quota, model_name=name
+    )
   common.begin_work(args)
   log = _log_to_stderr(args.log_level)
+  if keyless is not None:
+    log.warning(keyless)
   engine.start()
   app = make_app(
-      engine, model_name=name, api_keys=keys, contexts=contexts, default_temperature=temperature
+      engine,
+      model_name=name,
+      api_keys=keys,
+      contexts=contexts,
+      default_temperature=temperature,
+      allowed_hosts=hosts,
+      max_body=max_body,
   )
   compression = "the full cache" if not spec.evicts else f"{spec.policy.name}, budget {spec.budget}"
   tenants = "none (one local tenant)" if keys is None else f"{len(keys)} (a tenant each)"
@@ -214,5 +292,12 @@ def _serve(args) -> int:
         tenants,
     )
 
-  serve(app, args.host, args.port, ready=ready, log_level=args.log_level)
+  serve(
+      app,
+      args.host,
+      args.port,
+      ready=ready,
+      log_level=args.log_level,
+      timeout_idle=args.timeout_idle,
+  )
   return 0

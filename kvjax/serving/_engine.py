@@ -4,11 +4,10 @@ sampling values; what it produces goes to the request's callback.
 
 Admission is by memory. `check` plans a request once (`_admission`: its prompt encoded, its
 plan, the pages its row holds at its peak; `RequestTooLarge` or `Unservable` where it could
-never run here). It is admitted when a row is free and the pool has that many pages not
-reserved; once its prompt is read the reservation is brought to what it actually kept. The
-batch holds every row to its reservation, so a running request never runs out of pages, and
-one that would (a short reservation: an engine bug) fails alone. What cannot be admitted
-yet waits in a bounded queue (`QueueFull` past it).
+never run here). It is admitted when a row is free and the pool has those pages unreserved;
+once its prompt is read the reservation becomes what it kept. The batch holds every row to
+its reservation, so a running request never runs out of pages (one that would: an engine
+bug, fails alone). What cannot be admitted waits in a bounded queue (`QueueFull` past it).
 
 One thread owns every device call: it reads (prefills) admitted requests, inserts them into
 free rows, runs a round of `steps` decode steps of every active row (one step while a
@@ -16,12 +15,10 @@ streaming request decodes, so its tokens go out as they are decoded), hands each
 its tokens and releases finished or cancelled rows. Callbacks run on that thread: keep them
 short (the HTTP layer hands them over to its event loop).
 
-A request's failure is its own: an error while it is read or inserted ends it with an error
-event and frees its row and pages; a round that raises ends the requests it decoded; a device
-call that loses the batch's buffers ends every request in it and starts a new, empty batch.
-The thread goes on. Should the thread itself stop (an error in the engine's own code), every
-waiting request gets an error event, later ones `EngineStopped`, and `unavailable()` says
-why.
+A request's failure is its own (an error while it is read or inserted frees its row and
+pages; a round that raises ends the requests it decoded; a lost batch, every request in it)
+and the thread goes on. Should the thread itself stop, every waiting request gets an error
+event, later ones `EngineStopped`, and `unavailable()` says why.
 """
 
 from __future__ import annotations
@@ -277,21 +274,27 @@ class Engine:
     with self._lock:
       if not self._running:
         raise EngineStopped(self._why_stopped())
-      if len(self._queue) >= self.config.queue:
+      waiting = len(self._queue) + len(self._calls)
+      if waiting >= self.config.queue:
         self.counters["rejected"] += 1
-        raise QueueFull(f"{len(self._queue)} requests are waiting (the queue's limit)")
+        raise QueueFull(f"{waiting} requests are waiting (the queue's limit)")
       self._queue.append(request)
       self.counters["submitted"] += 1
       self._lock.notify()
     return request
 
-  def call(self, fn) -> concurrent.futures.Future:
+  def call(self, fn, *, queued: bool = False) -> concurrent.futures.Future:
     """Runs `fn()` on the engine's thread between two rounds (device work that is not a
-    request, e.g. compressing a context to store); its result or error in the future."""
+    request); its result or error in the future. `queued`: it waits in the requests' queue
+    (`QueueFull` past it, as a request), for work a client asks for (compressing a context
+    to store)."""
     future = concurrent.futures.Future()
     with self._lock:
       if not self._running:
         raise EngineStopped(self._why_stopped())
+      if queued and len(self._queue) + len(self._calls) >= self.config.queue:
+        self.counters["rejected"] += 1
+        raise QueueFull(f"{len(self._queue) + len(self._calls)} requests are waiting")
       self._calls.append((fn, future))
       self._lock.notify()
     return future
@@ -321,7 +324,7 @@ class Engine:
       return {
           "rows": self.config.rows,
           "rows_in_use": len(self._rows),
-          "queue": len(self._queue),
+          "queue": len(self._queue) + len(self._calls),
           "pages": self.capacity,
           "pages_reserved": self._reserved,
           "page_bytes": self.page_bytes,
@@ -439,7 +442,12 @@ class Engine:
     if request.context is not None:
       return extend(self.model, request.context, encoded, tokenizer=self.tokenizer)
     return prefill(
-        self.model, encoded, request.spec, tokenizer=self.tokenizer, reserve=0, seed=request.seed or 0
+        self.model,
+        encoded,
+        request.spec,
+        tokenizer=self.tokenizer,
+        reserve=0,
+        seed=request.seed or 0,
     )
 
   def _start(self, request: Request, row: int) -> None:

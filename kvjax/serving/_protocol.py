@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from kvjax.runtime.prompts import Segment, chat_request, context_prompt, encode_question
 from kvjax.runtime.sampling import TEMPERATURE_MAX, TOP_K_MAX, Sampling
+from kvjax.serving._contexts import NAME_MAX
 from kvjax.spec import CompressionSpec
 
 MAX_TOKENS_LIMIT = 1 << 20  # past any model context: the engine names the real limit
+# A stop string's characters at most: the streamed text holds back what may begin one, and
+# looks for it at every token.
+STOP_CHARS = 1000
 
 
 class BadRequest(ValueError):
@@ -37,18 +42,39 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
   return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _supported_only(*accepted):
+  """A field of OpenAI's API that kvjax does not implement: accepted where it asks for
+  nothing (one of `accepted`, or left out), else a 400 naming it (never ignored silently)."""
+
+  def check(value):
+    # By type too: `0 == False`, yet `"logprobs": 0` asks for something `false` does not.
+    if not any(type(value) is type(a) and value == a for a in accepted):
+      raise PydanticCustomError("unsupported", "not supported by kvjax serve")
+    return value
+
+  return Annotated[Any, AfterValidator(check)]
+
+
+# Strict: `"max_tokens": true` or `"stream": "yes"` is a 400 naming the field, not 1 or True
+# (an int is a float where OpenAI's API takes a number).
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class Compression(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = STRICT
   policy: str | None = None
   budget: int | float | Literal["auto"] | None = None
 
 
 class StreamOptions(BaseModel):
+  model_config = ConfigDict(strict=True)
   include_usage: bool = False
 
 
 class _Common(BaseModel):
-  model_config = ConfigDict(extra="ignore")  # fields of OpenAI's API kvjax does not use
+  # Fields it does not know are ignored (`user`, `metadata`, a client's extensions); those of
+  # OpenAI's API that would change the answer kvjax gives are refused below.
+  model_config = ConfigDict(extra="ignore", strict=True)
   model: str
   max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
   max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -57,21 +83,37 @@ class _Common(BaseModel):
   top_p: float = Field(default=1.0, gt=0, le=1)
   top_k: int = Field(default=0, ge=0, le=TOP_K_MAX)
   seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
-  n: int = Field(default=1, ge=1, le=1)
+  n: _supported_only(1) = 1
   stop: str | list[str] | None = None
   stream: bool = False
   stream_options: StreamOptions | None = None
   compression: Compression | None = None
   context_id: str | None = None
   ignore_eos: bool = False  # vLLM's extension: run to max_tokens (load tests)
+  # OpenAI's, unsupported: a 400 unless left out or at the value that asks for nothing.
+  logprobs: _supported_only(None, False) = None
+  top_logprobs: _supported_only(None, 0) = None
+  tools: _supported_only(None, []) = None
+  tool_choice: _supported_only(None, "none") = None
+  functions: _supported_only(None, []) = None
+  function_call: _supported_only(None, "none") = None
+  response_format: _supported_only(None, {"type": "text"}) = None
+  logit_bias: _supported_only(None, {}) = None
+  presence_penalty: _supported_only(None, 0, 0.0) = None
+  frequency_penalty: _supported_only(None, 0, 0.0) = None
+  best_of: _supported_only(None, 1) = None
+  echo: _supported_only(None, False) = None
+  suffix: _supported_only(None, "") = None
 
   def limit(self, default: int) -> int:
     return self.max_completion_tokens or self.max_tokens or default
 
   def stops(self) -> list[str]:
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-      raise BadRequest("stop takes up to 4 non-empty strings", "stop")
+    if len(stops) > 4 or any(not 0 < len(s) <= STOP_CHARS for s in stops):
+      raise BadRequest(
+          f"stop takes up to 4 non-empty strings of at most {STOP_CHARS} characters", "stop"
+      )
     return stops
 
   def sampling(self, default_temperature: float = 1.0) -> Sampling:
@@ -81,6 +123,7 @@ class _Common(BaseModel):
 
 
 class Message(BaseModel):
+  model_config = ConfigDict(strict=True)
   role: Literal["system", "user", "assistant"]
   content: str
 
@@ -94,11 +137,50 @@ class CompletionRequest(_Common):
   max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+TTL_MAX = 30 * 24 * 3600.0  # seconds a context may be kept, at most (30 days)
+
+
 class ContextRequest(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = STRICT
   text: str = Field(min_length=1)
   policy: str = "kvzip"
   budget: int | float = 0.25
+  name: str | None = Field(default=None, max_length=NAME_MAX)
+  ttl_seconds: int | float | None = Field(default=None, gt=0, le=TTL_MAX)  # None: the server's
+
+
+class ContextUpdate(BaseModel):
+  """PATCH /v1/contexts/{id}: a new lifetime (from now) and/or display name."""
+
+  model_config = STRICT
+  ttl_seconds: int | float | None = Field(default=None, gt=0, le=TTL_MAX)
+  name: str | None = Field(default=None, max_length=NAME_MAX)
+
+
+def param_at(error: dict) -> str | None:
+  """The field a validation error (pydantic's) names: its location's field names and list
+  indices, up to the first that is neither (a union's member: "budget.int" is "budget"), or
+  the unknown field an object forbids."""
+  loc = tuple(error["loc"])
+  loc = loc[1:] if loc[:1] == ("body",) else loc
+  if error["type"] == "extra_forbidden":
+    return ".".join(map(str, loc))
+  models = (
+      ChatRequest,
+      CompletionRequest,
+      ContextRequest,
+      ContextUpdate,
+      Message,
+      Compression,
+      StreamOptions,
+  )
+  fields = {name for model in models for name in model.model_fields}
+  names = []
+  for part in loc:
+    if not (isinstance(part, int) or part in fields):
+      break
+    names.append(str(part))
+  return ".".join(names) or None
 
 
 def request_spec(base: CompressionSpec, compression: Compression | None) -> CompressionSpec:
@@ -121,15 +203,34 @@ def new_id(prefix: str) -> str:
   return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict:
+def usage(prompt: int, completion: int, context=None) -> dict:
+  """OpenAI's usage object. With a stored `context` (its record, `_contexts.Context`), its
+  document counts in the prompt and as cached tokens, as a provider's prompt cache does."""
+  if context is None:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+  cached = context.document_tokens
   return {
-      "prompt_tokens": prompt,
+      "prompt_tokens": cached + prompt,
       "completion_tokens": completion,
-      "total_tokens": prompt + completion,
+      "total_tokens": cached + prompt + completion,
+      "prompt_tokens_details": {"cached_tokens": cached},
   }
 
 
-def chat_response(rid, model, text, finish, prompt, completion) -> dict:
+def served_from(context) -> dict:
+  """kvjax's extension of a response from a stored context: unlike a provider's prompt
+  cache, it is lossy, so the client is told how it was compressed and what it kept."""
+  return {
+      "context_id": context.id,
+      "compression": {"policy": context.policy, "kept_share": context.kept_share},
+  }
+
+
+def chat_response(rid, model, text, finish, prompt, completion, context=None) -> dict:
   return {
       "id": rid,
       "object": "chat.completion",
@@ -143,18 +244,20 @@ def chat_response(rid, model, text, finish, prompt, completion) -> dict:
               "logprobs": None,
           }
       ],
-      "usage": usage(prompt, completion),
+      "usage": usage(prompt, completion, context),
+      **({} if context is None else {"kvjax": served_from(context)}),
   }
 
 
-def completion_response(rid, model, text, finish, prompt, completion) -> dict:
+def completion_response(rid, model, text, finish, prompt, completion, context=None) -> dict:
   return {
       "id": rid,
       "object": "text_completion",
       "created": int(time.time()),
       "model": model,
       "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-      "usage": usage(prompt, completion),
+      "usage": usage(prompt, completion, context),
+      **({} if context is None else {"kvjax": served_from(context)}),
   }
 
 
@@ -230,7 +333,7 @@ def document_prompt(tokenizer, text: str) -> list[Segment]:
     raise BadRequest(str(err).splitlines()[0], "text") from None
 
 
-def question_prompt(tokenizer, body: "ChatRequest | CompletionRequest", chat: bool):
+def question_prompt(tokenizer, body: ChatRequest | CompletionRequest, chat: bool):
   """What follows a stored context: a chat's one user message, closing the user turn the
   context opened (`encode_question`; protected), or a completion's prompt as it is."""
   if chat:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.parse
 
 log = logging.getLogger("kvjax.serve")
 
@@ -19,6 +20,12 @@ def endpoint_label(path: str) -> str:
   if path.startswith("/v1/contexts/"):
     return "/v1/contexts"
   return path if path in _ENDPOINTS else "other"
+
+
+def printable(path: str) -> str:
+  """A request path as a log line shows it: a control character, a space or a quote
+  percent-encoded, so that no path adds a line to the log."""
+  return urllib.parse.quote(path, safe="/:@!$&'()*+,;=-._~%", errors="backslashreplace")
 
 
 def log_request(
@@ -52,6 +59,11 @@ def log_request(
   )
 
 
+def _escaped(value: str) -> str:
+  """A Prometheus label value: backslash, quote and newline escaped (the text format's)."""
+  return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _or_dash(value) -> str:
   return "-" if value is None else str(value)
 
@@ -64,12 +76,14 @@ class Telemetry:
 
   def finish(self, scope: dict, endpoint: str, status: int, job=None, generated=None):
     """Counts an answered request (by `endpoint`, its label in /metrics) and logs it
-    (`scope`: the request's ASGI scope; a /v1 request's holds its tenant and arrival)."""
+    (`scope`: the request's ASGI scope; a /v1 or /metrics request's holds its tenant and
+    arrival)."""
     self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
     state = scope.get("state", {})
     if "started" in state:
       tenant, started = state["tenant"], state["started"]
-      log_request(tenant, scope["method"], scope["path"], status, started, job, generated)
+      path = printable(scope["path"])
+      log_request(tenant, scope["method"], path, status, started, job, generated)
 
   def metrics(self, engine) -> str:
     """The Prometheus text exposition of the server's counters and `engine`'s gauges."""
@@ -79,7 +93,8 @@ class Telemetry:
         "# TYPE kvjax_requests_total counter",
     ]
     for (endpoint, status), n in sorted(self.requests.items()):
-      lines.append(f'kvjax_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+      labels = f'endpoint="{_escaped(endpoint)}",status="{int(status)}"'
+      lines.append(f"kvjax_requests_total{{{labels}}} {n}")
     page = stats["page_bytes"]
     gauges = {
         "kvjax_engine_up": (

@@ -6,35 +6,36 @@ nothing of HTTP.
     app = make_app(engine, model_name="smollm2-135m-instruct", api_keys={"sk-...": "alice"})
     serve(app, host="127.0.0.1", port=8000)        # what `kvjax serve` runs
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream"),
-POST and DELETE /v1/contexts, GET /v1/models, GET /health, GET /metrics (Prometheus text).
-Errors are OpenAI error objects naming the field; 401 for a missing or wrong key (when keys
-are given), 404 for an unknown model, 429 with Retry-After when the queue is full, 500 for a
-request that failed (an error event in a stream), 503 once the engine takes no request
-(/health too, saying why). A client that goes away mid-request has its request cancelled:
-its row is freed in the engine's next round. Every /v1 request ends with one line in the
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream"), the
+contexts API (`_context_routes`: POST and GET /v1/contexts, GET, PATCH and DELETE
+/v1/contexts/{id}), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Errors are OpenAI error objects naming the field, on every path; 401 for a missing or wrong
+key (when keys are given; /metrics too), 400 for a Host header the server does not answer to,
+404 for an unknown model or route, 413 for a body past its limit, 429 with Retry-After when
+the queue is full, 500 for a request that failed (an error event in a stream), 503 once the
+engine takes no request (/health too, saying why); `_guards` holds what refuses a request
+before its route. A prompt is tokenized off the event loop. A client that goes away
+mid-request has its request cancelled: its row is freed in the engine's next round. Every /v1 request ends with one line in the
 operator's log, and /metrics counts it (`_telemetry`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
-import hmac
 import json
 import logging
 import signal
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvjax.runtime.session import prefill
+from kvjax.serving import _context_routes as context_routes
+from kvjax.serving import _guards as guards
 from kvjax.serving import _protocol as wire
-from kvjax.serving._contexts import ContextStore, QuotaExceeded
+from kvjax.serving._context_routes import context_not_found
+from kvjax.serving._contexts import ContextStore
 from kvjax.serving._engine import (
     Engine,
     EngineStopped,
@@ -43,6 +44,8 @@ from kvjax.serving._engine import (
     Unservable,
 )
 from kvjax.serving._engine import Request as EngineRequest
+from kvjax.serving._guards import one_line as _one_line
+from kvjax.serving._guards import tenant_of  # noqa: F401 - the server's API
 from kvjax.serving._telemetry import Telemetry, endpoint_label
 
 log = logging.getLogger("kvjax.serve")
@@ -51,43 +54,14 @@ DEFAULT_MAX_TOKENS = 256  # a chat completion's limit when the request gives non
 
 
 def _error(status: int, message: str, kind: str, param=None, code=None, headers=None):
-  return JSONResponse(wire.error_body(message, kind, param, code), status, headers=headers)
-
-
-def tenant_of(key: str) -> str:
-  """A tenant's name from its API key: a digest, so no key is kept or logged in the clear."""
-  return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-class _Auth:
-  """Pure ASGI middleware (a `BaseHTTPMiddleware` would hide client disconnects): every /v1
-  request carries `Authorization: Bearer KEY` with a known key; its tenant and its arrival
-  time go in the request's scope (`_Service.finish` logs them)."""
-
-  def __init__(self, app, keys: set[str] | None, service: "_Service"):
-    self.app, self.keys, self.service = app, keys, service
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] == "http" and scope["path"].startswith("/v1"):
-      state = scope.setdefault("state", {})
-      state.update(tenant="local" if self.keys is None else "-", started=time.perf_counter())
-      if self.keys is not None:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, key = header.partition(" ")
-        known = any(hmac.compare_digest(key, k) for k in self.keys)
-        if scheme.lower() != "bearer" or not key or not known:
-          response = _error(
-              401, "missing or unknown API key", "invalid_request_error", code="invalid_api_key"
-          )
-          self.service.finish(scope, endpoint_label(scope["path"]), 401)
-          return await response(scope, receive, send)
-        state["tenant"] = tenant_of(key)
-    await self.app(scope, receive, send)
+  return guards.error_response(status, message, kind, param, code, headers)
 
 
 class _Text:
   """A request's generated text, decoded as its tokens arrive: what is new since the last
-  call (held back while it ends in a partial character), cut at the first stop string."""
+  call, cut at the first stop string. Held back while it ends in a partial character or in
+  what may begin a stop string (sent once it cannot, or by `flush` at the end): no client
+  sees a stop string's first part."""
 
   def __init__(self, tokenizer, stops: list[str]):
     self.tokenizer, self.stops = tokenizer, stops
@@ -104,8 +78,29 @@ class _Text:
         text, self.stopped = text[:at], True
     if not self.stopped:
       text = text.rstrip("\ufffd")  # a character whose bytes have not all come yet
+      text = text[: len(text) - self._stop_begins(text)]
+    return self._send(text)
+
+  def flush(self) -> str:
+    """What is held back, once the request ended without a stop string."""
+    if self.stopped:
+      return ""
+    return self._send(self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
+
+  def _send(self, text: str) -> str:
     new, self.sent = text[self.sent :], max(self.sent, len(text))
     return new
+
+  def _stop_begins(self, text: str) -> int:
+    """The length of the longest end of the unsent text that begins a stop string."""
+    unsent = len(text) - self.sent
+    longest = 0
+    for stop in self.stops:
+      for n in range(min(unsent, len(stop) - 1), longest, -1):
+        if text.endswith(stop[:n]):
+          longest = n
+          break
+    return longest
 
 
 class _Service:
@@ -127,10 +122,10 @@ class _Service:
     """Counts an answered request and logs it (`Telemetry.finish`)."""
     self.telemetry.finish(scope, endpoint, status, job, generated)
 
-  def submit(self, body: wire._Common, chat: bool, context=None):
-    """(the engine request, its events queue, the text decoder) for `body`, submitted
-    (after `context`, a loaded compressed context, when given); raises what `complete`
-    turns into an error response."""
+  def submit(self, body: wire._Common, chat: bool, context, emit):
+    """(the engine request, the text decoder) for `body`, submitted (after `context`, a
+    loaded compressed context, when given; its events to `emit`); raises what `complete`
+    turns into an error response. Tokenizes: off the event loop."""
     engine, tokenizer = self.engine, self.engine.tokenizer
     if context is not None:
       if body.compression is not None:
@@ -144,15 +139,13 @@ class _Service:
         prompt = wire.text_prompt(tokenizer, body.prompt, engine.shape.vocab_size)
       spec = wire.request_spec(engine.spec, body.compression)
     text = _Text(tokenizer, body.stops())
-    events: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
     job = EngineRequest(
         prompt=prompt,
         spec=spec,
         max_tokens=body.limit(DEFAULT_MAX_TOKENS),
-        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        emit=emit,
         sampling=body.sampling(self.default_temperature),
-        seed=body.seed or 0,
+        seed=body.seed,
         context=context,
         stops=not body.ignore_eos,
         stream=body.stream,
@@ -163,7 +156,7 @@ class _Service:
       if context is None:
         raise
       raise wire.BadRequest(f"the context was stored with {err}", "context_id") from None
-    return job, events, text
+    return job, text
 
   async def complete(self, request: Request, body: wire._Common, chat: bool):
     endpoint = request.url.path
@@ -176,21 +169,25 @@ class _Service:
           "model",
           "model_not_found",
       )
-    context = None
+    context = record = None
     if body.context_id is not None:
-      context = await self.load_context(request, body.context_id)
-      if context is None:
+      loaded = await self.load_context(request, body.context_id)
+      if loaded is None:
         self.finish(request.scope, endpoint, 404)
-        return _context_not_found()
-    try:
-      job, events, text = self.submit(body, chat, context)
+        return context_not_found()
+      context, record = loaded
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+    try:  # in a thread: a long prompt's tokenizing stalls no other client (/health either)
+      job, text = await asyncio.to_thread(self.submit, body, chat, context, emit)
     except Exception as err:  # noqa: BLE001 - each answered by its status (`refused`)
       return self.refused(request, endpoint, err)
     rid = wire.new_id("chatcmpl" if chat else "cmpl")
     flow = _events(events, text, self.engine, job, per_token=body.stream)
     if body.stream:
       return StreamingResponse(
-          _stream(flow, self, request, job, rid, chat, body),
+          _stream(flow, self, request, job, rid, chat, body, record),
           media_type="text/event-stream",
           headers={"Cache-Control": "no-cache"},
       )
@@ -220,7 +217,7 @@ class _Service:
     self.finish(request.scope, endpoint, 200, job, ended["generated"])
     make = wire.chat_response if chat else wire.completion_response
     out, finish, generated = "".join(parts), ended["finish"], ended["generated"]
-    return make(rid, self.model_name, out, finish, job.prompt_tokens, generated)
+    return make(rid, self.model_name, out, finish, job.prompt_tokens, generated, record)
 
   async def answer(self, request: Request, work):
     """The response `work` (a route's coroutine) gives; an error it did not answer is a 500
@@ -261,75 +258,17 @@ class _Service:
     return response
 
   async def load_context(self, request: Request, cid: str):
-    """The tenant's context `cid` (None: unknown, another tenant's, expired or invalid)."""
+    """(state, record) of the tenant's context `cid`; None where it has no such live one
+    (unknown, another tenant's, expired)."""
     if self.contexts is None:
       return None
-    return await asyncio.to_thread(self.contexts.load, request.state.tenant, cid)
 
-  async def create_context(self, request: Request, body: wire.ContextRequest):
-    endpoint = "/v1/contexts"
-    if self.contexts is None:
-      self.finish(request.scope, endpoint, 404)
-      return _error(404, "this server keeps no contexts", "invalid_request_error")
-    engine = self.engine
-    try:
-      spec = wire.request_spec(
-          engine.spec, wire.Compression(policy=body.policy, budget=body.budget)
-      )
-      if not spec.once:
-        raise wire.BadRequest(
-            f"policy {spec.policy.name!r} does not compress a context once (kvzip, "
-            "expected_attention, learned do)",
-            "policy",
-        )
-      prompt = wire.document_prompt(engine.tokenizer, body.text)
-      job = EngineRequest(prompt=prompt, spec=spec, max_tokens=1, emit=lambda event: None)
-      engine.check(job)  # sets job.prompt_tokens: the document's, the opening included
-    except RequestTooLarge as err:
-      err.field = "text"
-      return self.refused(request, endpoint, err)
-    except Unservable as err:  # here, top-level fields
-      return self.refused(request, endpoint, wire.BadRequest(str(err), err.field))
-    except wire.BadRequest as err:
-      if err.param and err.param.startswith("compression."):  # here, top-level fields
-        err.param = err.param.removeprefix("compression.")
-      return self.refused(request, endpoint, err)
-    except (ValueError, TypeError) as err:
-      return self.refused(request, endpoint, wire.BadRequest(str(err).splitlines()[0], "text"))
-    tenant = request.state.tenant
+    def load():
+      record = self.contexts.get(request.state.tenant, cid)
+      state = None if record is None else self.contexts.load(request.state.tenant, cid)
+      return None if state is None else (state, record)
 
-    def compress_and_store():  # the document as `check` encoded it
-      encoded = job.planned.encoded
-      state = prefill(engine.model, encoded, spec, tokenizer=engine.tokenizer, reserve=0)
-      return self.contexts.save(tenant, state, job.prompt_tokens)
-
-    try:
-      made = await asyncio.wrap_future(engine.call(compress_and_store))
-    except EngineStopped as err:
-      return self.refused(request, endpoint, err)
-    except QuotaExceeded as err:
-      self.finish(request.scope, endpoint, 429)
-      return _error(429, str(err), "insufficient_quota", code="insufficient_quota")
-    except Exception as err:  # noqa: BLE001 - the read failed (a full disk, say): no traceback
-      self.finish(request.scope, endpoint, 500)
-      return _error(500, f"the context could not be stored: {_one_line(err)}", "server_error")
-    job.kept_share, job.kv_bytes = made.kept_share, made.kv_bytes
-    self.finish(request.scope, endpoint, 200, job, 0)
-    return {"object": "context", **dataclasses.asdict(made)}
-
-  async def delete_context(self, request: Request, cid: str):
-    deleted = self.contexts is not None and await asyncio.to_thread(
-        self.contexts.delete, request.state.tenant, cid
-    )
-    self.finish(request.scope, "/v1/contexts", 200 if deleted else 404)
-    if not deleted:
-      return _context_not_found()
-    return {"id": cid, "object": "context", "deleted": True}
-
-
-def _context_not_found():
-  # One answer for an unknown id and another tenant's: nothing tells them apart.
-  return _error(404, "no such context", "invalid_request_error", "context_id", "context_not_found")
+    return await asyncio.to_thread(load)
 
 
 class _RequestFailed(RuntimeError):
@@ -354,7 +293,7 @@ async def _events(events: asyncio.Queue, text: _Text, engine: Engine, job, per_t
           return
         yield new, None, generated
     elif kind == "done":
-      yield "", value, generated
+      yield text.flush(), value, generated
       return
     else:
       raise _RequestFailed(value)
@@ -367,10 +306,14 @@ def make_app(
     api_keys: set[str] | None = None,
     contexts: ContextStore | None = None,
     default_temperature: float = 1.0,
+    allowed_hosts: set[str] | None = None,
+    max_body: int | None = 4 * 2**20,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as `model_name`; `api_keys` None: no key asked (a local
-  server), else each key is its own tenant; `contexts`: where compressed contexts are kept
-  (None: no /v1/contexts); `default_temperature`: a request's that gives none."""
+  server), else each key is its own tenant (/metrics takes any of them); `contexts`: where
+  compressed contexts are kept (None: no /v1/contexts); `default_temperature`: a request's
+  that gives none; `allowed_hosts`: the Host header's names it answers (None: any);
+  `max_body`: a request body's bytes at most (None: no limit)."""
   service = _Service(engine, model_name, contexts, default_temperature)
 
   async def lifespan(app):
@@ -385,16 +328,20 @@ def make_app(
     )
 
   app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-  app.add_middleware(_Auth, keys=api_keys, service=service)
+  # The last added is the outermost: Catch, Auth, HostCheck, BodyLimit, then the routes.
+  app.add_middleware(guards.BodyLimit, limit=max_body, finish=service.finish)
+  app.add_middleware(guards.HostCheck, hosts=allowed_hosts, finish=service.finish)
+  app.add_middleware(guards.Auth, keys=api_keys, finish=service.finish)
+  app.add_middleware(guards.Catch, finish=service.finish)
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request: Request, exc: RequestValidationError):
     first = exc.errors()[0]
-    loc = [str(x) for x in first["loc"] if x != "body"]
-    param = None if first["type"] == "json_invalid" or not loc else ".".join(loc)
+    param = None if first["type"] == "json_invalid" else wire.param_at(first)
     service.finish(request.scope, endpoint_label(request.url.path), 400)
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
-    return _error(400, message, "invalid_request_error", param)
+    code = "unsupported_parameter" if first["type"] == "unsupported" else None
+    return _error(400, message, "invalid_request_error", param, code)
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: Request, exc: StarletteHTTPException):
@@ -431,21 +378,9 @@ def make_app(
   async def completions(body: wire.CompletionRequest, request: Request):
     return await service.answer(request, service.complete(request, body, chat=False))
 
-  @app.post("/v1/contexts")
-  async def create_context(body: wire.ContextRequest, request: Request):
-    return await service.answer(request, service.create_context(request, body))
-
-  @app.delete("/v1/contexts/{cid}")
-  async def delete_context(cid: str, request: Request):
-    return await service.answer(request, service.delete_context(request, cid))
+  context_routes.add_routes(app, service)
 
   return app
-
-
-def _one_line(err: BaseException) -> str:
-  """An unexpected error as a client and the log see it: its type and first line, never a
-  traceback."""
-  return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
 def _param_of(err: Exception) -> str | None:
@@ -463,7 +398,7 @@ async def _gone(request: Request) -> None:
     await asyncio.sleep(0.1)
 
 
-async def _stream(flow, service: _Service, request: Request, job, rid, chat, body):
+async def _stream(flow, service: _Service, request: Request, job, rid, chat, body, record=None):
   """The SSE body: a chunk per token as it is decoded (the first with the role), the
   finish, usage if asked, [DONE]. Left early (the client went away), the request is
   cancelled."""
@@ -480,7 +415,7 @@ async def _stream(flow, service: _Service, request: Request, job, rid, chat, bod
     finished = True
     if body.stream_options is not None and body.stream_options.include_usage:
       end = wire.chunk(rid, model, chat, None, None)
-      end["choices"], end["usage"] = [], wire.usage(job.prompt_tokens, generated)
+      end["choices"], end["usage"] = [], wire.usage(job.prompt_tokens, generated, record)
       yield _sse(end)
     service.finish(request.scope, endpoint, 200, job, generated)
     yield "data: [DONE]\n\n"
@@ -501,6 +436,26 @@ def _sse(body: dict) -> str:
   return f"data: {json.dumps(body)}\n\n"
 
 
+def server_config(app, host, port, drain_seconds=30.0, log_level="info", timeout_idle=30.0):
+  """uvicorn's `Config` of `serve`: its own log from warnings up (kvjax logs every request
+  itself: no access log), the guarded protocol (`_guards.protocol`), a request's headers
+  bounded at `HEADER_BYTES`, a connection idle between requests closed after 5 s at most."""
+  import uvicorn
+
+  return uvicorn.Config(
+      app,
+      host=host,
+      port=port,
+      log_level=max(logging.WARNING, logging.getLevelName(log_level.upper())),
+      access_log=False,
+      lifespan="on",
+      timeout_graceful_shutdown=drain_seconds,
+      http=guards.protocol(timeout_idle),
+      timeout_keep_alive=min(5.0, timeout_idle),
+      h11_max_incomplete_event_size=guards.HEADER_BYTES,
+  )
+
+
 def serve(
     app: FastAPI,
     host: str,
@@ -509,24 +464,16 @@ def serve(
     ready=None,
     drain_seconds: float = 30.0,
     log_level: str = "info",
+    timeout_idle: float = 30.0,
 ) -> None:
   """Runs `app` on uvicorn until SIGTERM or SIGINT; in-flight requests then finish (up to
   `drain_seconds`) before the engine stops. `ready(port)` is called once it listens.
   `log_level`: the operator's; uvicorn's own messages show from warnings up (kvjax logs
-  every request itself: no access log)."""
+  every request itself: no access log). `timeout_idle`: the seconds a client has to send a
+  request's headers, and may pause while it sends a body (`_guards.protocol`)."""
   import uvicorn
 
-  quiet = max(logging.WARNING, logging.getLevelName(log_level.upper()))
-  config = uvicorn.Config(
-      app,
-      host=host,
-      port=port,
-      log_level=quiet,
-      access_log=False,
-      lifespan="on",
-      timeout_graceful_shutdown=drain_seconds,
-  )
-  server = uvicorn.Server(config)
+  server = uvicorn.Server(server_config(app, host, port, drain_seconds, log_level, timeout_idle))
   # uvicorn re-raises the signal it caught once it has stopped; a no-op handler lets the
   # process exit 0 after a clean drain.
   signal.signal(signal.SIGTERM, lambda *_: None)

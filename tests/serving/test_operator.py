@@ -22,7 +22,7 @@ MODEL = "ckpt"
 def server(tmp_path_factory):
   root = tmp_path_factory.mktemp("operator")
   keys = root / "keys.txt"
-  keys.write_text(KEY + "\n")
+  keys.write_bytes(b"\xef\xbb\xbf" + KEY.encode() + b"\n")  # a byte order mark, as Notepad saves
   checkpoint = tiny_hf_checkpoint(root / MODEL)
   log = root / "server.log"
   flags = ["--model", str(checkpoint), "--api-keys", str(keys), "--kv-memory", "1MiB"]
@@ -67,7 +67,14 @@ def test_each_request_ends_with_a_log_line_naming_its_tenant_never_its_key(serve
   r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [2]}, timeout=30)
   assert r.status_code == 401
   assert _lines(log, r"tenant=- POST /v1/completions .*status=401")
-  assert KEY not in log.read_text()
+  # A key that is not ASCII, and /metrics without a key: 401, never a 500 or a traceback.
+  for path, headers in (
+      ("/v1/models", {"Authorization": "Bearer ключ".encode()}),
+      ("/metrics", {}),
+  ):
+    r = httpx.get(f"{url}{path}", headers=headers, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+  assert KEY not in log.read_text() and "Traceback" not in log.read_text()
 
 
 def test_a_stream_sends_each_token_in_an_event_of_its_own(server):

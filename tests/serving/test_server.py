@@ -180,7 +180,7 @@ def test_keys_unknown_models_and_a_full_queue(server):
 def test_disconnects_free_their_rows(server):
   url, _ = server
   headers = {"Authorization": f"Bearer {KEYS[0]}"}
-  idle_metrics(url)  # what earlier tests left behind
+  idle_metrics(url, key=KEYS[0])  # what earlier tests left behind
   for _ in range(3):
     with httpx.stream(
         "POST",
@@ -191,7 +191,7 @@ def test_disconnects_free_their_rows(server):
     ) as r:
       lines = r.iter_lines()
       assert next(lines).startswith("data: ")
-  metrics = idle_metrics(url, 30)
+  metrics = idle_metrics(url, 30, key=KEYS[0])
   assert "kvjax_rows_in_use 0" in metrics and "kvjax_kv_bytes_reserved 0" in metrics
 
 
@@ -301,7 +301,8 @@ def test_a_tenants_context_quota_holds(server):
         (["--port", "70000"], "--port must be in [0, 65535]"),
         (["--policy", "nope"], "unknown policy 'nope'"),
         (["--rows", "0"], "rows must be an int >= 1"),
-        (["--context-ttl", "0"], "--context-ttl must be > 0"),
+        (["--context-ttl", "0"], "--context-ttl must be a finite number of seconds > 0"),
+        (["--context-ttl", "inf"], "--context-ttl must be a finite number of seconds > 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
         (["--api-keys", "KEYFILE"], "an API key is one word of at least 8 characters"),
