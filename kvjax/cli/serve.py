@@ -187,6 +187,13 @@ def add_parsers(subparsers) -> None:
       "body, before its connection is closed (default: 30)",
   )
   serve.add_argument(
+      "--drain-timeout",
+      type=float,
+      default=30.0,
+      help="seconds SIGTERM lets the requests in flight finish; what is left then is "
+      "cancelled and the process exits (default: 30)",
+  )
+  serve.add_argument(
       "--contexts",
       default=None,
       help="directory of compressed contexts (POST /v1/contexts), one private folder per "
@@ -236,10 +243,11 @@ def _serve(args) -> int:
   keyless = _keyless_warning(keys, args.host, args.allow_no_keys)
   hosts = allowed_hosts(args.allowed_hosts, args.host)
   max_body = parse_bytes(args.max_body, "--max-body")
-  if not 0 < args.timeout_idle < float("inf"):  # NaN fails too
-    raise ValueError(
-        f"--timeout-idle must be a finite number of seconds > 0, got {args.timeout_idle}"
-    )
+  for flag in ("timeout_idle", "drain_timeout"):
+    value = getattr(args, flag)
+    if not 0 < value < float("inf"):  # NaN fails too
+      name = "--" + flag.replace("_", "-")
+      raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
   config = EngineConfig(
       rows=args.rows, kv_memory=kv_memory, max_tokens=args.max_tokens, queue=args.queue
   )
@@ -299,5 +307,6 @@ def _serve(args) -> int:
       ready=ready,
       log_level=args.log_level,
       timeout_idle=args.timeout_idle,
+      drain_seconds=args.drain_timeout,
   )
   return 0

@@ -200,7 +200,13 @@ class _Service:
 
     work = asyncio.create_task(collect())
     watcher = asyncio.create_task(_gone(request))
-    done, pending = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+      done, pending = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server stops: its drain's time ran out
+      work.cancel(), watcher.cancel()
+      self.engine.cancel(job.id)
+      self.finish(request.scope, endpoint, 503, job, ended["generated"])
+      return _error(503, "the server stopped before the request finished", "server_error")
     for task in pending:
       task.cancel()
     if work not in done:  # the client left: free its row
@@ -318,8 +324,9 @@ def make_app(
 
   async def lifespan(app):
     yield
-    # uvicorn runs this after in-flight requests finished (SIGTERM drains them).
-    await asyncio.to_thread(engine.stop, True)
+    # uvicorn runs this once the requests in flight finished, or the drain's time ran out
+    # and it cancelled them: what the engine still holds has no client left to answer.
+    await asyncio.to_thread(engine.stop, False, 30.0)
     stats = engine.stats()
     log.info(
         "stopped after %d requests answered, %d tokens generated",

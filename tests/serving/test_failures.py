@@ -8,6 +8,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -201,3 +202,31 @@ def test_a_policy_whose_rows_cannot_decode_is_refused_once_the_model_loads(check
       "score a table past 1024 tokens"
   ), err
   assert not any("on http://" in line for line in err)
+
+
+@pytest.mark.slow  # a server of its own
+def test_sigterm_cancels_what_the_drain_timeout_cannot_finish(checkpoint, tmp_path):
+  import threading
+
+  flags = ["--model", str(checkpoint), "--rows", "2", "--drain-timeout", "2"]
+  proc, url = start_server(flags, tmp_path / "server.log", timeout=240)
+  answers = []
+  # Far more tokens than the drain lets it decode (a non-streaming request, held open).
+  long = threading.Thread(
+      target=lambda: answers.append(_complete(url, [2, 3, 4], max_tokens=2000, timeout=120))
+  )
+  try:
+    long.start()
+    deadline = time.monotonic() + 60
+    while "kvjax_rows_in_use 1" not in httpx.get(f"{url}/metrics", timeout=10).text:
+      assert time.monotonic() < deadline, "the request never started"
+      time.sleep(0.1)
+    stopping = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert time.monotonic() - stopping < 20, "the drain outlived its timeout"
+  finally:
+    _stop(proc)
+    long.join(60)
+  log = (tmp_path / "server.log").read_text()
+  assert "Traceback" not in log, log[-3000:]
