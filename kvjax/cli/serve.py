@@ -154,6 +154,13 @@ def add_parsers(subparsers) -> None:
   serve.add_argument("--rows", type=int, default=8, help="requests decoded at once (default: 8)")
   serve.add_argument("--queue", type=int, default=64, help="requests waiting at most (default: 64)")
   serve.add_argument(
+      "--tenant-requests",
+      type=int,
+      default=16,
+      help="completions and context creations one tenant (API key) may have in flight; "
+      "past it, 429 (default: 16)",
+  )
+  serve.add_argument(
       "--max-tokens",
       type=int,
       default=None,
@@ -243,6 +250,8 @@ def _serve(args) -> int:
   keyless = _keyless_warning(keys, args.host, args.allow_no_keys)
   hosts = allowed_hosts(args.allowed_hosts, args.host)
   max_body = parse_bytes(args.max_body, "--max-body")
+  if args.tenant_requests < 1:
+    raise ValueError(f"--tenant-requests must be >= 1, got {args.tenant_requests}")
   for flag in ("timeout_idle", "drain_timeout"):
     value = getattr(args, flag)
     if not 0 < value < float("inf"):  # NaN fails too
@@ -278,6 +287,7 @@ def _serve(args) -> int:
       default_temperature=temperature,
       allowed_hosts=hosts,
       max_body=max_body,
+      tenant_requests=args.tenant_requests,
   )
   compression = "the full cache" if not spec.evicts else f"{spec.policy.name}, budget {spec.budget}"
   tenants = "none (one local tenant)" if keys is None else f"{len(keys)} (a tenant each)"

@@ -66,7 +66,9 @@ def add_routes(app: FastAPI, service) -> None:
 
   @app.post(ENDPOINT)
   async def create_context(body: wire.ContextRequest, request: Request):
-    return await service.answer(request, kept(request) or _create(service, request, body))
+    if (refused := kept(request)) is not None:
+      return refused
+    return await service.answer(request, _create(service, request, body))
 
   @app.get(ENDPOINT)
   async def list_contexts(request: Request, after: str | None = None, limit: str = "20"):

@@ -113,14 +113,36 @@ class _Service:
       model_name: str,
       contexts: ContextStore | None,
       default_temperature: float,
+      tenant_requests: int | None = None,
   ):
     self.engine, self.model_name, self.contexts = engine, model_name, contexts
     self.default_temperature = default_temperature
     self.telemetry = Telemetry()
+    self.tenant_requests = tenant_requests  # a tenant's requests in flight at most
+    self.in_flight: dict[str, int] = {}  # tenant -> requests taken, not yet answered
 
   def finish(self, scope: dict, endpoint: str, status: int, job=None, generated=None):
-    """Counts an answered request and logs it (`Telemetry.finish`)."""
+    """Counts an answered request and logs it (`Telemetry.finish`); a request `take` let
+    in no longer counts against its tenant."""
+    state = scope.get("state", {})
+    if state.pop("in_flight", False):
+      self.in_flight[state["tenant"]] -= 1
     self.telemetry.finish(scope, endpoint, status, job, generated)
+
+  def take(self, request: Request):
+    """None when the request's tenant may have one more request in flight (counted until
+    its `finish`); else the 429 that says it may not."""
+    tenant = request.state.tenant
+    held = self.in_flight.get(tenant, 0)
+    if self.tenant_requests is not None and held >= self.tenant_requests:
+      self.finish(request.scope, endpoint_label(request.url.path), 429)
+      message = f"this tenant has {held} requests in flight, the most it may have"
+      return _error(
+          429, message, "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+      )
+    self.in_flight[tenant] = held + 1
+    request.scope["state"]["in_flight"] = True
+    return None
 
   def submit(self, body: wire._Common, chat: bool, context, emit):
     """(the engine request, the text decoder) for `body`, submitted (after `context`, a
@@ -226,8 +248,13 @@ class _Service:
     return make(rid, self.model_name, out, finish, job.prompt_tokens, generated, record)
 
   async def answer(self, request: Request, work):
-    """The response `work` (a route's coroutine) gives; an error it did not answer is a 500
-    error object, counted and logged in one line (never a traceback)."""
+    """The response `work` (a route's coroutine, run once its tenant may have one more
+    request in flight: `take`) gives; an error it did not answer is a 500 error object,
+    counted and logged in one line (never a traceback)."""
+    refused = self.take(request)
+    if refused is not None:
+      work.close()
+      return refused
     try:
       return await work
     except Exception as err:  # noqa: BLE001 - answered, never re-raised
@@ -314,13 +341,16 @@ def make_app(
     default_temperature: float = 1.0,
     allowed_hosts: set[str] | None = None,
     max_body: int | None = 4 * 2**20,
+    tenant_requests: int | None = 16,
 ) -> FastAPI:
   """The FastAPI app serving `engine` as `model_name`; `api_keys` None: no key asked (a local
   server), else each key is its own tenant (/metrics takes any of them); `contexts`: where
   compressed contexts are kept (None: no /v1/contexts); `default_temperature`: a request's
   that gives none; `allowed_hosts`: the Host header's names it answers (None: any);
-  `max_body`: a request body's bytes at most (None: no limit)."""
-  service = _Service(engine, model_name, contexts, default_temperature)
+  `max_body`: a request body's bytes at most (None: no limit); `tenant_requests`: the
+  completions and context creations one tenant may have in flight (None: no limit; past
+  it, 429)."""
+  service = _Service(engine, model_name, contexts, default_temperature, tenant_requests)
 
   async def lifespan(app):
     yield

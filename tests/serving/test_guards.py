@@ -63,7 +63,7 @@ class FakeEngine:
     job.emit(("done", "length"))
     return job
 
-  def call(self, fn):  # a context "compressed and stored"
+  def call(self, fn, queued=False):  # a context "compressed and stored"
     future = concurrent.futures.Future()
     future.set_result(_Stored())
     return future
@@ -499,3 +499,52 @@ def test_a_keyless_server_warns_checks_hosts_and_bounds_bodies_and_idle_clients(
     assert proc.wait(60) == 0
   warnings = [line for line in log.read_text().splitlines() if " WARNING kvjax.serve" in line]
   assert len(warnings) == 1 and "any process on this machine can use" in warnings[0], warnings
+
+
+class HeldEngine(FakeEngine):
+  """Answers nothing until `release`: its requests stay in flight."""
+
+  def __init__(self):
+    super().__init__()
+    self.held = []
+
+  def submit(self, job):
+    self.check(job)
+    self.held.append(job)
+    return job
+
+  def release(self):
+    for job in self.held:
+      job.emit(("done", "length"))
+    self.held.clear()
+
+
+def test_a_tenant_past_its_requests_in_flight_gets_429_and_others_go_on():
+  engine, other = HeldEngine(), "sk-guards-other-987654"
+  app = _app(engine, api_keys={KEY, other}, tenant_requests=1)
+  bob = {"Authorization": f"Bearer {other}"}
+
+  async def held(client, headers):
+    """A request taken and held in flight (bounded wait)."""
+    before = len(engine.held)
+    work = asyncio.create_task(client.post("/v1/completions", json=_completion(), headers=headers))
+    for _ in range(500):
+      if len(engine.held) > before:
+        return work
+      await asyncio.sleep(0.01)
+    raise AssertionError("the request never reached the engine")
+
+  async def scenario(client):
+    first = await held(client, AUTH)
+    refused = await client.post("/v1/completions", json=_completion(), headers=AUTH)
+    second = await held(client, bob)  # another tenant is not limited by alice's
+    engine.release()
+    answered = [await first, await second]
+    again = await held(client, AUTH)  # alice's first is answered: she may send another
+    engine.release()
+    return refused, answered, await again
+
+  refused, answered, again = asyncio.run(_client_run(app, scenario))
+  assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+  assert refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+  assert [r.status_code for r in answered] == [200, 200] and again.status_code == 200
