@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import itertools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -43,7 +40,6 @@ from kvjax.cache.sizing import ServedRows
 from kvjax.eviction.budgets import NEVER
 from kvjax.runtime.compilation import compile_ahead, compiled
 from kvjax.runtime.generation import held_stats
-from kvjax.runtime.sampling import Sampling
 from kvjax.runtime.session import extend, prefill
 from kvjax.runtime.tokenizer import as_tokenizer
 from kvjax.seam import ModelShape
@@ -55,91 +51,17 @@ from kvjax.serving._admission import (  # noqa: F401 - its errors re-exported fr
     Unservable,
     check_servable,
 )
+from kvjax.serving._request import (  # noqa: F401 - re-exported from here
+    EngineConfig,
+    EngineStopped,
+    QueueFull,
+    Request,
+    one_line,
+)
 from kvjax.spec import CompressionSpec
 from pallas_kernels import page_format
 
 log = logging.getLogger("kvjax.serve.engine")
-
-
-class QueueFull(RuntimeError):
-  """The waiting queue is full: try again later (HTTP 429)."""
-
-
-class EngineStopped(RuntimeError):
-  """The engine takes no request: it was stopped, or its thread ended on an error (HTTP
-  503)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """The served batch's shape, fixed when the engine starts.
-
-  rows: requests decoded at once (the batch's rows).
-  kv_memory: bytes of K/V for the page pool all rows share.
-  max_tokens: tokens a row holds at most (a request's prompt and new tokens as kept); by
-    default the model context.
-  steps: decode steps between two scheduling rounds (admissions, releases, cancels); one
-    while a streaming request decodes (its tokens go out after every step).
-  queue: requests waiting for memory at most; past it `submit` raises `QueueFull`.
-  compile_ahead: compile the decode round of every width when the engine starts (in the
-    background), not when a load first needs it (a server: yes; a short-lived test: no).
-  """
-
-  rows: int = 8
-  kv_memory: int = 64 * 2**20
-  max_tokens: int | None = None
-  steps: int = 4
-  queue: int = 64
-  compile_ahead: bool = True
-
-  def __post_init__(self):
-    for name in ("rows", "kv_memory", "steps", "queue"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-    if not isinstance(self.compile_ahead, bool):
-      raise TypeError(f"EngineConfig.compile_ahead must be a bool, got {self.compile_ahead!r}")
-
-
-@dataclasses.dataclass
-class Request:
-  """One request: `prompt` (token ids, or `Segment`s, as `kvjax.prefill` takes one row),
-  compressed by `spec`, generating up to `max_tokens` tokens with `sampling`. `emit(event)`
-  receives ("tokens", [ids]) as they come, then one ("done", finish_reason) or
-  ("error", message). `finish_reason`: "stop" (a stop token) or "length"."""
-
-  prompt: object
-  spec: CompressionSpec
-  max_tokens: int
-  emit: Callable[[tuple], None]
-  sampling: Sampling = dataclasses.field(default_factory=Sampling)
-  # Its sampling key's seed (and its prompt's, for a policy that draws): the same seed and
-  # request give the same tokens whatever else the batch decodes. None: a fresh one.
-  seed: int | None = None
-  # A compressed context (a one-row `State`, e.g. from `ContextStore.load`) the prompt
-  # continues: the prompt is appended to it (`kvjax.extend`), with its own compression.
-  context: object = None
-  # False: the request runs to `max_tokens` whatever it generates (benchmarks).
-  stops: bool = True
-  # True: its tokens are handed over after every decode step, not every round (a stream).
-  stream: bool = False
-  id: int = dataclasses.field(default_factory=itertools.count().__next__)
-  # Set by the engine.
-  prompt_tokens: int = 0
-  protected_tokens: int = 0  # of the prompt: never evicted
-  planned: Planned | None = None  # by `check`
-  reserved: int = 0  # pages reserved for it now
-  depth: int = 0  # the most pages one of its sequences holds at its peak
-  arrived: float = dataclasses.field(default_factory=time.perf_counter)
-  # Once its prompt is read: the K/V entries kept as a share of the tokens read (mean over
-  # layers and kv heads), and the bytes they take.
-  kept_share: float | None = None
-  kv_bytes: int | None = None
-
-
-def _one_line(err: BaseException) -> str:
-  """An error as a request's error event and the log say it: its type and first line."""
-  return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
 class Engine:
@@ -239,7 +161,7 @@ class Engine:
     try:
       jax.eval_shape(lambda *a: _batch.run(*a, **statics), *args)
     except Exception as err:  # noqa: BLE001 - refused in one line, naming what failed
-      raise ValueError(f"this spec's rows cannot decode: {_one_line(err)}") from None
+      raise ValueError(f"this spec's rows cannot decode: {one_line(err)}") from None
 
   @property
   def _shallow(self) -> int:
@@ -400,7 +322,7 @@ class Engine:
   def _stopped_by(self, err: BaseException) -> None:
     """The thread ends on `err`: every request it holds or that waits gets an error event,
     every pending call the error, and the engine takes no more (`unavailable` says why)."""
-    why = _one_line(err)
+    why = one_line(err)
     log.error("the engine stopped: %s", why)
     with self._lock:
       self._failure, self._running = why, False
@@ -481,7 +403,7 @@ class Engine:
         self._reserved -= request.reserved
         self.counters["failed"] += 1
       log.debug("request %d failed on admission: %s", request.id, err)
-      _emit(request, ("error", _one_line(err)))
+      _emit(request, ("error", one_line(err)))
       if inserting:
         self._free_rows([row])
       return
@@ -530,7 +452,7 @@ class Engine:
           (out.count, out.tokens, out.stopped, out.failed, out.short, self.batch.remaining)
       )
     except Exception as err:  # noqa: BLE001 - the round's requests fail, the engine goes on
-      message = _one_line(err)
+      message = one_line(err)
       ids = ", ".join(str(request.id) for request in rows.values())
       log.error("a decode round failed, ending request(s) %s: %s", ids, message)
       self._end(list(rows), "failed", message)
@@ -585,7 +507,7 @@ class Engine:
   def _lose_batch(self, err: Exception) -> None:
     """A device call on the batch failed after taking its buffers (donated): every request
     in it ends with an error, and a new empty batch takes its place."""
-    message = f"the batch was lost: {_one_line(err)}"
+    message = f"the batch was lost: {one_line(err)}"
     log.error(message)
     with self._lock:
       lost, self._rows = list(self._rows.values()), {}

@@ -24,6 +24,7 @@ import time
 from starlette.responses import JSONResponse
 
 from kvjax.serving import _protocol as wire
+from kvjax.serving._request import one_line  # noqa: F401 - an error as a client sees it
 from kvjax.serving._telemetry import endpoint_label, printable
 
 log = logging.getLogger("kvjax.serve")
@@ -43,12 +44,6 @@ class ErrorResponse(JSONResponse):
 
 def error_response(status, message, kind, param=None, code=None, headers=None) -> ErrorResponse:
   return ErrorResponse(wire.error_body(message, kind, param, code), status, headers=headers)
-
-
-def one_line(err: BaseException) -> str:
-  """An unexpected error as a client and the log see it: its type and first line, never a
-  traceback."""
-  return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
 def tenant_of(key: str) -> str:
