@@ -5,7 +5,7 @@ and in-kernel block loading of the TPU-style paged decode kernels.
 Each op keeps its kernel, wrapper (`*_pallas`), reference (`*_reference`) and dispatcher in
 its own module; this module holds only what more than one of them uses.
 
-Paged decode layout (see `pallas_kernels.paged_attention` for the design): q is
+Paged decode layout (see `pallas_kernels.paged_attention.tpu` for the design): q is
 [B, 1, Hq, D] with G = Hq / Hkv query heads per kv head, the pools are [P, S, D], the page
 table [B, Hkv, M] and the lengths [B, Hkv]; a sequence has N = M * S slots, read in blocks
 of bk = pages_per_block * S tokens on the grid (B, Hkv, blocks).
@@ -370,6 +370,16 @@ def dot(a, b, contract, precision=jax.lax.Precision.HIGHEST):
   )
 
 
+def mask_dead_slots(s, v, first_slot, length):
+  """In a paged decode kernel, for a block whose slots start at `first_slot`: the logits s
+  [G, bk] with -inf at dead slots (>= `length`), the mask of live slots [G, bk] and V
+  [bk, D] with dead rows zeroed. Masked with `where` (not added), so that NaN in unused
+  slots never leaks."""
+  live = first_slot + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
+  row = first_slot + jax.lax.broadcasted_iota(jnp.int32, (v.shape[0], 1), 0)
+  return jnp.where(live, s, -jnp.inf), live, jnp.where(row < length, v, 0.0)
+
+
 def kernel_block(
     lengths_ref, q_ref, refs, *, scale, page_size, pages_per_block, num_kv_heads, kv_dtype
 ):
@@ -397,9 +407,6 @@ def kernel_block(
     # Quantized pages are dequantized page by page, in VMEM: HBM holds only the codes.
     k = jnp.concatenate([load_pages(r, kv_dtype) for r in k_refs], axis=0)  # [bk, D]
     v = jnp.concatenate([load_pages(r, kv_dtype) for r in v_refs], axis=0)  # [bk, D]
-    s = dot(q, k, ((1,), (1,)))  # [G, bk]
-    live = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
-    row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
-    return jnp.where(live, s, -jnp.inf), live, jnp.where(row < length, v, 0.0)
+    return mask_dead_slots(dot(q, k, ((1,), (1,))), v, i * block_tokens, length)
 
   return i, i * block_tokens < length, refs[2 * pages_per_block * n :], load

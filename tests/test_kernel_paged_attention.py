@@ -33,7 +33,7 @@ from kernel_helpers import (  # noqa: F401 (release_compiled_code: autouse fixtu
     small_paged_args,
 )
 
-import pallas_kernels.paged_attention as pa
+from pallas_kernels.paged_attention import dispatch as pa
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_lse_reference,

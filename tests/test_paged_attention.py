@@ -400,7 +400,7 @@ def test_decode_reads_a_live_prefix_and_matches_the_reference(
   holding the head's live pages: outputs, probabilities (zero past the prefix) and lse
   equal the reference's over the whole (NaN-poisoned) table, for every prefix width, kv
   heads of different lengths and an empty sequence."""
-  import pallas_kernels.paged_attention as attention
+  from pallas_kernels.paged_attention import dispatch as attention
 
   monkeypatch.setattr(attention, "PREFIX_MIN_TOKENS", 4)  # several widths in a small table
   rng = np.random.default_rng(page_size * 10 + group + len(lengths))

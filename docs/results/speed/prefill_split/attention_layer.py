@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from pallas_kernels import paged_attention as pa
+from pallas_kernels.paged_attention import blocks as pa
 
 B, HQ, HKV, D, S, N, CHUNK = 1, 9, 3, 64, 16, 2048, 512
 
