@@ -11,7 +11,14 @@ import kvjax
 from kvjax import policies
 from kvjax.eviction import budgets
 from kvjax.policies import AttentionStats
-from kvjax.testing import ByteTokenizer, assert_cache_invariants, assert_compressed_once, tiny_llama
+from kvjax.runtime.prompts import Segment
+from kvjax.testing import (
+    ByteTokenizer,
+    assert_cache_invariants,
+    assert_compressed_once,
+    tiny_gemma3,
+    tiny_llama,
+)
 
 CONTEXT = "The vault code is 4812. Remember it while the filler goes on and on. " * 4
 
@@ -122,6 +129,37 @@ def test_kvzip_scores_come_from_the_reconstruction(tiny, monkeypatch):
   assert seen[1:] == [prompt + ids[i : i + 64] for i in range(0, len(ids), 64)]
   # Every pass is placed after the whole context (the model's window has room for it).
   assert starts == [0] + [len(ids)] * (len(seen) - 1)
+
+
+@pytest.mark.parametrize("attend_to", ["chunk", pytest.param("context", marks=pytest.mark.slow)])
+def test_the_passes_repeat_the_context_after_its_protected_prefix(monkeypatch, attend_to):
+  """A row's leading protected tokens (`<bos>`, a chat template's opening) are kept whatever
+  they score, and no pass repeats them: repeated, Gemma 3's `<bos>` is a second attention
+  sink inside the first pass (KVzip's reference keeps them in an unscored prefix)."""
+  model, tokenizer = tiny_gemma3(window=16, max_context=1024), ByteTokenizer()
+  from kvjax.runtime import steps
+
+  seen, real = [], steps.prefill_chunks
+
+  def spy(model, state, encoded, key, progress=None, **kwargs):
+    seen.append(encoded.ids[0])
+    return real(model, state, encoded, key, progress, **kwargs)
+
+  monkeypatch.setattr(steps, "prefill_chunks", spy)
+  prefix, ids = [2, 40, 41], tokenizer.encode(CONTEXT)[:100]
+  policy = policies.KVzip(chunk=64, attend_to=attend_to)
+  spec = kvjax.CompressionSpec(policy=policy, budget=0.5, sink=4, recent=8)
+  prompts = [[Segment(prefix, protected=True), Segment(ids)]]
+  state = kvjax.prefill(model, prompts, spec, tokenizer=tokenizer)
+  row = prefix + ids
+  repeat = tokenizer.encode(kvjax.policies.kvzip.RECONSTRUCTION_PROMPT)
+  assert seen == [row, repeat + row[3:64], repeat + row[64:128]]
+  full = np.asarray(kvjax.eviction.full_layers(state.cache))
+  positions = np.asarray(kvjax.logical_view(state.cache, state.cache.slot("position")))
+  valid = np.asarray(kvjax.valid_mask(state.cache))
+  for layer in np.flatnonzero(full):  # the prefix is kept on every full layer
+    for head in range(valid.shape[2]):
+      assert {0, 1, 2} <= set(positions[layer, 0, head][valid[layer, 0, head]].tolist())
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,7 @@ def test_no_module_of_the_wheel_imports_torch_or_transformers(wheel):
 
 # ---- the benchmarks import kvjax's public API only ----------------------------------------
 
+# Not benchmarks/probes/: diagnostics that look inside kvjax (their README says so).
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 DUNDER_OK = {"__future__", "__version__"}
 # The public faces: names exported by these modules (their `__all__` where they have one),

@@ -25,7 +25,9 @@ class KVzip(Policy):
   the state; a KV pair's score is the largest attention it receives from those
   reconstruction queries (max over the query heads of its kv head). One ranking across all
   layers and kv heads of a row then sets how many tokens each sequence keeps, and the pool
-  is re-laid out to what is kept: the compressed context serves any later question.
+  is re-laid out to what is kept: the compressed context serves any later question. A
+  row's leading protected tokens (its `<bos>`, a chat template's opening) are kept and
+  not repeated.
 
   `attend_to`: what a repeated chunk attends to. "chunk" (default): the sink (the first
   page), the `lookback` tokens before its span and its span, so the passes cost linear in
@@ -76,8 +78,17 @@ class KVzip(Policy):
             f"tokens leaves no room in the model context {max_context} (attend_to='chunk' "
             "repeats each chunk after its own span)"
         )
-    starts = range(0, longest, chunk)
-    pass_tokens = [len(prompt) + min(chunk, longest - start) for start in starts]
+    # A row's leading protected tokens (`<bos>`, a chat template's opening) are kept whatever
+    # they score, so no pass repeats them (KVzip's reference keeps them in an unscored
+    # prefix). Repeated, Gemma 3's `<bos>` is a second attention sink inside the first pass:
+    # measured on Gemma 3 270M, it lowered that pass's mean score by 11-28 % per full layer.
+    skip = [_prefix(row) for row in context.protected]
+    passes = [
+        (start, [row[max(start, k) : start + chunk] for row, k in zip(context.ids, skip)])
+        for start in range(0, longest, chunk)
+    ]
+    passes = [(start, parts) for start, parts in passes if any(parts)]  # not all prefix
+    pass_tokens = [len(prompt) + max(map(len, parts)) for _, parts in passes]
     work = reader.progress(progress, longest + sum(pass_tokens))
     state = reader.read(state, context, observe=False, progress=work.part(longest))
     logits, position = state.logits, state.position
@@ -90,8 +101,8 @@ class KVzip(Policy):
     if not local:
       step = min(step, config.max_tokens - longest)
       context_length = jnp.copy(state.cache.length)  # what each whole-context pass is cut to
-    for start, tokens in zip(starts, pass_tokens):
-      rows = [prompt + row[start : start + chunk] for row in context.ids]
+    for (start, parts), tokens in zip(passes, pass_tokens):
+      rows = [prompt + part for part in parts]
       options = dict(
           key=jax.random.fold_in(state.key, start),
           step=f"{self.name} scoring",
@@ -130,6 +141,11 @@ class KVzip(Policy):
     """The most any repeating query of a kv head pays each key in this pass: attention's
     `key_max` (the per-head probabilities are never materialised)."""
     return stats.key_max
+
+
+def _prefix(protected) -> int:
+  """How many tokens a row's protected prefix holds (its first unprotected token's index)."""
+  return next((i for i, p in enumerate(protected) if not p), len(protected))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Diagnostics that look inside kvjax (see README.md)."""
