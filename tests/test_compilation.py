@@ -89,6 +89,7 @@ def test_entries_another_key_made_are_compiled_again(store, monkeypatch, tmp_pat
   assert all(path.read_bytes() != data for path, data in made.items())  # rebuilt
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_step_in_jax_cache_is_compiled_afresh_for_the_store(store, monkeypatch):
   """XLA:CPU cannot serialise again what JAX's cache loaded (the copy fails when run), so a
   step the store will keep never comes from JAX's cache."""

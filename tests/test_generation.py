@@ -58,6 +58,7 @@ def test_decode_compiles_once_for_a_whole_generation():
   assert again.stats["compiles"] == 0
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_sampling_values_compile_nothing_new_but_greedy_is_its_own_loop():
   """Temperature, top-k and top-p are traced; greedy (temperature 0) leaves the sampler out
   of the loop, so switching to sampling compiles one more loop, and no more after it."""
@@ -155,6 +156,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, message):
 @pytest.mark.parametrize(
     "policy, budget", [("full", None), pytest.param("h2o", 24, marks=pytest.mark.slow)]
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, budget):
   """End to end: the Pallas decode kernel (interpret mode on CPU) through the model."""
   model, tokenizer = _tiny_model(), ByteTokenizer()
@@ -171,6 +173,7 @@ def test_pallas_attention_generates_the_same_tokens_as_the_reference(policy, bud
 
 
 @pytest.mark.parametrize("policy, budget", [("full", None), ("h2o", 24)])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_request_compiles_its_steps_and_no_eager_ops(caplog, policy, budget):
   # Every eager op on the host's arrays compiles a small program the first time it sees a
   # shape (in a fresh process, ~20 ms each): a batch of 5 rows, used nowhere else, shows any.

@@ -83,6 +83,7 @@ def test_a_stream_cut_inside_a_character_ends_with_what_the_final_text_holds(tok
   assert "".join(pieces) == tokenizer.decode(cut, skip_special_tokens=True)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_streaming_generate_matches_the_final_text_on_random_bytes():
   # A random byte-level model emits invalid UTF-8 too: the stream still equals the result.
   model, tok = tiny_llama(), ByteTokenizer()

@@ -128,6 +128,7 @@ def test_policies_compress_the_full_layers_and_leave_the_windows(gemma, policy, 
   _assert_windows_hold_their_latest_tokens(state, model)
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_hybrid_state_saves_loads_and_continues_identically(gemma, tmp_path):
   model, tok = gemma
   spec = kvjax.CompressionSpec(policy="kvzip", budget=0.5)

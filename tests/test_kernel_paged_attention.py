@@ -76,6 +76,7 @@ def test_kernel_matches_reference(page_size, group, head_dim, length_kind, dtype
 @pytest.mark.parametrize(
     "page_size, group, head_dim, dtype", [(16, 3, 64, "float32"), (8, 8, 128, "bfloat16")]
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_per_query_head_probabilities(page_size, group, head_dim, dtype):
   lengths, m = lengths_for("ragged", page_size)
   args = paged_problem(3, page_size, 2, group, lengths, m, head_dim, dtype)
@@ -110,6 +111,7 @@ def test_padding_queries_and_generic_interpreter():
 
 
 @pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_nan_in_a_live_key_or_value_reaches_the_output(where):
   """A NaN model's K/V must not be dropped as if masked (zeros: a silent wrong answer): every
   implementation gives NaN for the queries that read it, finite values elsewhere."""

@@ -113,6 +113,7 @@ def test_prefill_chunks_read_quantized_blocks_like_floats(kv_dtype):
         pytest.param("int4", "k", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_nan_in_a_live_group_reaches_the_output(kv_dtype, where):
   args, _ = problem(16, 1, 64, "full", "float32", kv_dtype, "nan")
   q, kp, vp, table, lens = args

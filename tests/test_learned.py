@@ -161,6 +161,7 @@ def test_auto_budget_needs_a_threshold_and_a_compress_once_policy():
 @pytest.mark.parametrize(
     "sharing", ["global", *(pytest.param(s, marks=pytest.mark.slow) for s in ("layer", "uniform"))]
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_shared_budget_frees_the_memory_it_does_not_keep(tiny, trained, sharing):
   """At 25% kept the pool holds at most 25% of the full cache's pages, plus a page per
   sequence (partial pages) and the reserve, while kept counts follow the scores."""

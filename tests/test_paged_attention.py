@@ -172,6 +172,7 @@ def test_rejects_bad_arguments(change, error, match):
 
 
 @pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_attention_over_an_evicted_cache_matches_its_surviving_tokens(group_size):
   import kvjax
 

@@ -552,6 +552,7 @@ def _peak_bound(layers, batch, heads, budget, page, chunk, bytes_per_token):
 
 
 @pytest.mark.parametrize("name", _by_model(STREAMING, default={"h2o", "snapkv"}))
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_peak_kv_is_within_budget_plus_a_page_and_a_chunk(tiny, name):
   model, tokenizer = tiny
   c = model.config

@@ -119,6 +119,7 @@ def model():
         *(pytest.param(p, 48, marks=pytest.mark.slow) for p in ("h2o", "knorm", "tova")),
     ],
 )
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_the_session_decodes_from_quantized_pages_close_to_float(model, policy, budget):
   """Prefill (several chunks), extend and decode with int8 and int4 pages under each policy:
   the cache keeps its dtype and invariants through eviction, growth and compaction

@@ -68,6 +68,7 @@ def test_forks_sample_independently_and_are_independent_copies(tiny):
   assert int(a.cache.length.max()) <= 48 + spec.page_size
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_compressed_session_matches_generate_and_stays_within_budget(tiny):
   model, tokenizer = tiny
   spec = kvjax.CompressionSpec(policy="snapkv", budget=40, sink=2, recent=8, prefill_chunk=32)

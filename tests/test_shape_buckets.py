@@ -31,6 +31,7 @@ def test_prompts_of_new_lengths_in_one_bucket_compile_nothing_new():
   assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_short_prompts_compile_their_prefill_chunk_only():
   """Prompts under 256 tokens prefill in chunks of their own power of two; the decode loop
   (which appends one token a step) is shared: each new chunk compiles one step, not two."""

@@ -264,6 +264,7 @@ def test_the_api_refuses_a_seed_or_top_k_out_of_range(tiny):
 # ---- finding 8: the model `kvjax ask` loads ------------------------------------------
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_ask_loads_the_model_prefill_resolved_and_only_with_its_weights(
     tmp_path, monkeypatch, capsys
 ):

@@ -182,6 +182,7 @@ def test_a_request_whose_logits_are_not_finite_fails_alone():
   assert engine.stats()["rows_in_use"] == 0 and engine.stats()["pages_reserved"] == 0
 
 
+@pytest.mark.slow  # heavy for the default suite (a model, a process or a search)
 def test_a_row_whose_logits_turn_non_finite_while_decoding_fails_alone():
   model = tiny_llama(max_context=256, qk_scale=20)
   spec = kvjax.CompressionSpec(page_size=8)
