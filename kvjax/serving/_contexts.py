@@ -279,12 +279,13 @@ class ContextStore:
     return record
 
   def load(self, tenant: str, cid: str):
-    """The context's state, or None when `tenant` has no such live context. Files that
-    cannot be read raise (an error to answer, never a reason to remove them)."""
+    """(the context's state, its record), or None when `tenant` has no such live context.
+    Files that cannot be read raise (an error to answer, never a reason to remove them)."""
     record = self.get(tenant, cid)
     if record is None:
       return None
-    return load_state(self._path(tenant, cid), self.model, tokenizer=self.tokenizer)
+    state = load_state(self._path(tenant, cid), self.model, tokenizer=self.tokenizer)
+    return state, record
 
   def delete(self, tenant: str, cid: str) -> bool:
     """Removes the context; False when `tenant` has none of that id."""

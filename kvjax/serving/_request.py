@@ -69,7 +69,7 @@ class Request:
   # Its sampling key's seed (and its prompt's, for a policy that draws): the same seed and
   # request give the same tokens whatever else the batch decodes. None: a fresh one.
   seed: int | None = None
-  # A compressed context (a one-row `State`, e.g. from `ContextStore.load`) the prompt
+  # A compressed context (a one-row `State`, e.g. the state `ContextStore.load` returns) the prompt
   # continues: the prompt is appended to it (`kvjax.extend`), with its own compression.
   context: object = None
   # False: the request runs to `max_tokens` whatever it generates (benchmarks).

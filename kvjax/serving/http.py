@@ -295,13 +295,7 @@ class _Service:
     (unknown, another tenant's, expired)."""
     if self.contexts is None:
       return None
-
-    def load():
-      record = self.contexts.get(request.state.tenant, cid)
-      state = None if record is None else self.contexts.load(request.state.tenant, cid)
-      return None if state is None else (state, record)
-
-    return await asyncio.to_thread(load)
+    return await asyncio.to_thread(self.contexts.load, request.state.tenant, cid)
 
 
 class _RequestFailed(RuntimeError):

@@ -169,7 +169,7 @@ def test_once_the_engine_thread_stops_health_and_requests_answer_503():
 
   async def run():
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://kvjax") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
       return await scenario(client)
 
   try:
